@@ -1,0 +1,1 @@
+"""Fused Triton kernels and their PyTorch references (installed as megatron_dapo.kernels)."""
