@@ -1,0 +1,192 @@
+"""Base -> recipe YAML -> `key=value` dotlist, with typed coercion and named errors.
+
+No Hydra composition (STYLE.md rule 5): a recipe is one flat-or-nested YAML file of overrides.
+Unknown keys are errors that suggest the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.root import Config
+
+
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for name, tp in _field_types(cls).items():
+        key = prefix + name
+        keys.append(key)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, key + "."))
+    return keys
+
+
+def _unknown_key(cls, key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(Config), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(key, f"unknown key{hint}")
+
+
+def _coerce(tp, value, key: str):
+    """Check and convert one leaf value against its annotated type."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(key, f"expected {_type_name(tp)}, got null")
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(opt, value, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(key, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str) and _FLOAT_TEXT.match(value):
+            return float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported type {tp}")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _build(cls, raw: dict, prefix: str):
+    """Instantiate dataclass `cls` from a nested dict of overrides (missing keys keep defaults)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {raw!r}")
+    hints = _field_types(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        key = prefix + str(name)
+        if name not in hints:
+            raise _unknown_key(cls, key)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value if value is not None else {}, key + ".")
+        else:
+            kwargs[name] = _coerce(tp, value, key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(prefix.rstrip(".") or "<root>", str(e)) from None
+
+
+def _merge(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def _parse_dotlist(items: list[str]) -> dict:
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(item, "expected key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(item, "empty key in key=value override")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(key, f"cannot parse value {text!r}: {e}") from None
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, "conflicts with an earlier override of a parent key")
+        node[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError("--config", f"{path} is not valid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of overrides")
+    return raw
+
+
+def load_config(config_path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """The resolved config: dataclass defaults, then the recipe, then the dotlist overrides."""
+    raw: dict = {}
+    if config_path:
+        _merge(raw, load_yaml(config_path))
+    _merge(raw, _parse_dotlist(list(overrides or [])))
+    return _build(Config, raw, "")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def from_dict(raw: dict) -> Config:
+    """Rebuild a Config from `to_dict` output (used when resuming from a saved config.yaml)."""
+    return _build(Config, raw, "")

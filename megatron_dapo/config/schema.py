@@ -1,0 +1,498 @@
+"""The one typed config tree: every default of megatron_dapo lives here and nowhere else.
+
+YAML recipes (configs/*.yaml) hold only overrides; `loader.py` applies base -> recipe -> dotlist.
+Each field has a docstring under it; a trailing `[recipe: ...]` names the key of the DAPO recipe
+(verl's `recipe/dapo`) it corresponds to, and the README table is generated from these docstrings
+(`python -m megatron_dapo.config.docs`). The defaults are the embedded CPU run (a tiny Megatron model
+on the synthetic arithmetic task) with the DAPO algorithm settings; the 32B recipes override sizes.
+
+Each section validates itself in `__post_init__`; checks that span sections live in
+`Config.__post_init__`. Errors are `ConfigError`s that name the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_dapo.config.errors import ConfigError
+
+
+def _check(cond: bool, key: str, expected: str, value) -> None:
+    if not cond:
+        raise ConfigError(key, f"expected {expected}, got {value!r}")
+
+
+@dataclass
+class ArithmeticConfig:
+    num_train: int = 2000
+    """Number of training problems of the synthetic arithmetic task."""
+    num_val: int = 128
+    """Number of held-out validation problems (disjoint from training)."""
+    min_digits: int = 1
+    """Fewest digits per operand."""
+    max_digits: int = 2
+    """Most digits per operand."""
+    operators: str = "+-"
+    """Operators to draw from, a subset of "+-*"."""
+    seed: int = 1234
+    """Seed of the problem generator (train/val split included)."""
+
+    def __post_init__(self):
+        _check(self.num_train >= 1, "data.arithmetic.num_train", ">= 1", self.num_train)
+        _check(self.num_val >= 1, "data.arithmetic.num_val", ">= 1", self.num_val)
+        _check(1 <= self.min_digits <= self.max_digits, "data.arithmetic.min_digits",
+               "1 <= min_digits <= max_digits", (self.min_digits, self.max_digits))
+        _check(bool(self.operators) and set(self.operators) <= set("+-*"), "data.arithmetic.operators",
+               'a non-empty subset of "+-*"', self.operators)
+
+
+@dataclass
+class DataConfig:
+    task: Literal["arithmetic", "files"] = "arithmetic"
+    """Where prompts come from: the built-in synthetic arithmetic task, or parquet/jsonl files."""
+    train_files: str = ""
+    """Training prompts (DAPO-Math-17k layout), parquet or jsonl; needed when task=files. [recipe: data.train_files]"""
+    val_files: str = ""
+    """Validation prompts (AIME-2024 layout); needed when task=files and trainer.test_freq > 0. [recipe: data.val_files]"""
+    tokenizer: str = ""
+    """HF tokenizer directory; empty means the built-in character tokenizer of the synthetic task."""
+    apply_chat_template: bool = True
+    """Render chat-message prompts with the tokenizer's chat template."""
+    max_prompt_length: int = 16
+    """Longest prompt in tokens. [recipe: data.max_prompt_length]"""
+    max_response_length: int = 12
+    """Longest response in tokens (the generation limit). [recipe: data.max_response_length]"""
+    train_batch_size: int = 16
+    """Prompts per training step (after dynamic sampling). [recipe: data.train_batch_size]"""
+    gen_batch_size: int | None = None
+    """Prompts per generation batch; None means train_batch_size. [recipe: data.gen_batch_size]"""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded, resumable). [recipe: data.shuffle]"""
+    seed: int = 1
+    """Seed of the prompt sampler. [recipe: data.seed]"""
+    prompt_overflow: Literal["filter", "error"] = "filter"
+    """Prompts longer than max_prompt_length: drop them (counted) or raise naming the row. [recipe: data.filter_overlong_prompts]"""
+    on_bad_row: Literal["raise", "skip"] = "raise"
+    """A malformed data row: raise naming file, row and field, or skip and count it."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """The synthetic arithmetic task (task=arithmetic)."""
+
+    def __post_init__(self):
+        _check(self.max_prompt_length >= 1, "data.max_prompt_length", ">= 1", self.max_prompt_length)
+        _check(self.max_response_length >= 1, "data.max_response_length", ">= 1", self.max_response_length)
+        _check(self.train_batch_size >= 1, "data.train_batch_size", ">= 1", self.train_batch_size)
+        if self.gen_batch_size is not None:
+            _check(self.gen_batch_size >= 1, "data.gen_batch_size", ">= 1 or null", self.gen_batch_size)
+        if self.task == "files":
+            _check(bool(self.train_files), "data.train_files", "a parquet/jsonl path when data.task=files",
+                   self.train_files)
+
+    @property
+    def effective_gen_batch_size(self) -> int:
+        return self.gen_batch_size if self.gen_batch_size is not None else self.train_batch_size
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "tiny"
+    """Architecture: tiny, tiny_moe, qwen2.5-32b, qwen3-30b-a3b, or hf (read from hf_path/config.json)."""
+    hf_path: str = ""
+    """HF checkpoint directory to initialise the actor (and reference) from; empty trains from scratch. [recipe: actor_rollout_ref.model.path]"""
+    load: str = ""
+    """Megatron distributed checkpoint to initialise from (weights only)."""
+    params_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and compute dtype of the actor and reference."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers (0 = none); they train the speculative-decoding drafter."""
+    num_layers: int | None = None
+    """Override of the architecture's layer count (None keeps the architecture's)."""
+    hidden_size: int | None = None
+    """Override of the architecture's hidden size."""
+    ffn_hidden_size: int | None = None
+    """Override of the architecture's FFN size."""
+    num_attention_heads: int | None = None
+    """Override of the architecture's attention heads."""
+    num_query_groups: int | None = None
+    """Override of the architecture's KV heads (GQA groups)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation of the actor. [recipe: actor_rollout_ref.model.enable_gradient_checkpointing]"""
+
+    def __post_init__(self):
+        _check(self.mtp_num_layers >= 0, "model.mtp_num_layers", ">= 0", self.mtp_num_layers)
+        if self.arch == "hf":
+            _check(bool(self.hf_path), "model.hf_path", "an HF checkpoint directory when model.arch=hf",
+                   self.hf_path)
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups"):
+            v = getattr(self, name)
+            if v is not None:
+                _check(v >= 1, f"model.{name}", ">= 1 or null", v)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size of the actor/reference. [recipe: actor_rollout_ref.actor.megatron.tensor_model_parallel_size]"""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size. [recipe: actor_rollout_ref.actor.megatron.pipeline_model_parallel_size]"""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved (virtual) pipeline stages per rank; None = no interleaving."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel size for MoE layers. [recipe: actor_rollout_ref.actor.megatron.expert_model_parallel_size]"""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size inside experts; None = tensor_model_parallel_size."""
+    context_parallel_size: int = 1
+    """Context parallel size (long sequences). [recipe: actor_rollout_ref.actor.megatron.context_parallel_size]"""
+    sequence_parallel: bool = False
+    """Sequence parallelism with TP (required for MoE with TP > 1)."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size", "context_parallel_size"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
+        if self.virtual_pipeline_model_parallel_size is not None:
+            _check(self.pipeline_model_parallel_size > 1, "parallel.virtual_pipeline_model_parallel_size",
+                   "null unless pipeline_model_parallel_size > 1", self.virtual_pipeline_model_parallel_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        """TP x PP x CP must divide the world; EP x ETP must divide it as well."""
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        if world_size % (tp * pp * cp):
+            raise ConfigError("parallel.tensor_model_parallel_size",
+                              f"TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} must divide the world size {world_size}")
+        etp = self.expert_tensor_parallel_size or tp
+        ep = self.expert_model_parallel_size
+        if world_size % (ep * etp * pp):
+            raise ConfigError("parallel.expert_model_parallel_size",
+                              f"EP*ETP*PP = {ep}*{etp}*{pp} must divide the world size {world_size}")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """Peak learning rate. [recipe: actor_rollout_ref.actor.optim.lr]"""
+    lr_warmup_steps: int = 10
+    """Linear warm-up steps of the learning rate. [recipe: actor_rollout_ref.actor.optim.lr_warmup_steps]"""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over trainer.total_training_steps."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay. [recipe: actor_rollout_ref.actor.optim.weight_decay]"""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 disables). [recipe: actor_rollout_ref.actor.grad_clip]"""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (each with rollout.n responses). [recipe: actor_rollout_ref.actor.ppo_mini_batch_size]"""
+    ppo_epochs: int = 1
+    """Passes over each training batch. [recipe: actor_rollout_ref.actor.ppo_epochs]"""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one packed micro-batch (prompt + response tokens). [recipe: actor_rollout_ref.actor.ppo_max_token_len_per_gpu]"""
+    clip_ratio_low: float = 0.2
+    """Lower clip epsilon: ratio >= 1 - clip_ratio_low. [recipe: actor_rollout_ref.actor.clip_ratio_low]"""
+    clip_ratio_high: float = 0.28
+    """Upper clip epsilon (clip-higher): ratio <= 1 + clip_ratio_high. [recipe: actor_rollout_ref.actor.clip_ratio_high]"""
+    clip_ratio_c: float = 10.0
+    """Dual-clip bound for A < 0; must be > 1. [recipe: actor_rollout_ref.actor.clip_ratio_c]"""
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How the per-token loss becomes a scalar; token-mean is DAPO's token-level loss. [recipe: actor_rollout_ref.actor.loss_agg_mode]"""
+    policy_loss: str = "vanilla"
+    """Policy-loss registry entry (vanilla = clipped PPO with dual clip; reinforce). [recipe: actor_rollout_ref.actor.policy_loss.loss_mode]"""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (0 = off, as in DAPO). [recipe: actor_rollout_ref.actor.entropy_coeff]"""
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) term to the loss (off in DAPO). [recipe: actor_rollout_ref.actor.use_kl_loss]"""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss term. [recipe: actor_rollout_ref.actor.kl_loss_coef]"""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term (kl, abs, mse, low_var_kl, k1, k2, k3, with optional +). [recipe: actor_rollout_ref.actor.kl_loss_type]"""
+    use_fused_kernels: bool | None = None
+    """Triton fused log-prob/entropy and clipped-loss kernels; None = on for CUDA, chunked torch on CPU. [recipe: actor_rollout_ref.model.use_fused_kernels]"""
+    use_distributed_optimizer: bool | None = None
+    """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss when the model has MTP layers."""
+    mtp_detach_trunk: bool = False
+    """Train the MTP layers on a detached trunk (the drafter follows the policy, the policy is unaffected)."""
+    router_replay: bool = False
+    """MoE: replay the rollout's expert choices in the training forward."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, "actor.lr", "> 0", self.lr)
+        _check(self.lr_warmup_steps >= 0, "actor.lr_warmup_steps", ">= 0", self.lr_warmup_steps)
+        _check(0 <= self.min_lr <= self.lr, "actor.min_lr", "0 <= min_lr <= lr", self.min_lr)
+        _check(self.clip_grad >= 0, "actor.clip_grad", ">= 0", self.clip_grad)
+        _check(self.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size", ">= 1", self.ppo_mini_batch_size)
+        _check(self.ppo_epochs >= 1, "actor.ppo_epochs", ">= 1", self.ppo_epochs)
+        _check(self.max_tokens_per_microbatch >= 1, "actor.max_tokens_per_microbatch", ">= 1",
+               self.max_tokens_per_microbatch)
+        _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", "in [0, 1)", self.clip_ratio_low)
+        _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", ">= 0", self.clip_ratio_high)
+        _check(self.clip_ratio_c > 1, "actor.clip_ratio_c", "> 1 (dual-clip bound)", self.clip_ratio_c)
+        _check(self.entropy_coeff >= 0, "actor.entropy_coeff", ">= 0", self.entropy_coeff)
+        _check(self.kl_loss_coef >= 0, "actor.kl_loss_coef", ">= 0", self.kl_loss_coef)
+        _check(self.mtp_loss_scaling_factor >= 0, "actor.mtp_loss_scaling_factor", ">= 0",
+               self.mtp_loss_scaling_factor)
+
+
+@dataclass
+class ValKwargs:
+    n: int = 1
+    """Samples per validation prompt (mean@n and pass@n). [recipe: actor_rollout_ref.rollout.val_kwargs.n]"""
+    temperature: float = 1.0
+    """Validation sampling temperature (0 = greedy). [recipe: actor_rollout_ref.rollout.val_kwargs.temperature]"""
+    top_p: float = 0.7
+    """Validation nucleus sampling. [recipe: actor_rollout_ref.rollout.val_kwargs.top_p]"""
+    top_k: int = -1
+    """Validation top-k (-1 = off). [recipe: actor_rollout_ref.rollout.val_kwargs.top_k]"""
+
+    def __post_init__(self):
+        _check(self.n >= 1, "rollout.val_kwargs.n", ">= 1", self.n)
+        _check(self.temperature >= 0, "rollout.val_kwargs.temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.val_kwargs.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.val_kwargs.top_k", "-1 or >= 1", self.top_k)
+
+
+@dataclass
+class SpeculativeConfig:
+    algorithm: Literal["EAGLE", "NEXTN"] | None = None
+    """SGLang speculative decoding with the model's MTP layers; None = off."""
+    num_steps: int = 3
+    """Draft steps per verification (--speculative-num-steps)."""
+    eagle_topk: int = 1
+    """Draft branching (--speculative-eagle-topk)."""
+    num_draft_tokens: int = 4
+    """Draft tokens per verification (--speculative-num-draft-tokens)."""
+
+    def __post_init__(self):
+        for name in ("num_steps", "eagle_topk", "num_draft_tokens"):
+            _check(getattr(self, name) >= 1, f"rollout.speculative.{name}", ">= 1", getattr(self, name))
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = "local"
+    """local = the actor's Megatron model samples with a KV cache; sglang = SGLang servers. [recipe: actor_rollout_ref.rollout.name]"""
+    n: int = 8
+    """Responses per prompt (the GRPO group size). [recipe: actor_rollout_ref.rollout.n]"""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed at this temperature. [recipe: actor_rollout_ref.rollout.temperature]"""
+    top_p: float = 1.0
+    """Nucleus sampling. [recipe: actor_rollout_ref.rollout.top_p]"""
+    top_k: int = -1
+    """Top-k sampling (-1 = off). [recipe: actor_rollout_ref.rollout.top_k]"""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling for validation."""
+    tensor_model_parallel_size: int = 1
+    """TP size of each SGLang engine. [recipe: actor_rollout_ref.rollout.tensor_model_parallel_size]"""
+    gpu_memory_utilization: float = 0.85
+    """SGLang --mem-fraction-static. [recipe: actor_rollout_ref.rollout.gpu_memory_utilization]"""
+    mode: Literal["colocate", "disaggregate"] = "colocate"
+    """colocate: engines share GPUs with training (weights from tensors, memory released while training); disaggregate: separate GPUs, weights over a process group."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size of actor -> engine weight updates."""
+    max_concurrency: int = 256
+    """Concurrent HTTP requests per SGLang engine."""
+    request_timeout_s: float = 1800.0
+    """Timeout of one generation request."""
+    max_retries: int = 3
+    """Retries of a failed request (exponential backoff)."""
+    server_host: str = "127.0.0.1"
+    """Address SGLang servers bind to (loopback unless a cluster-internal address is given)."""
+    server_base_port: int = 30000
+    """First port of the SGLang servers."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """MTP speculative decoding."""
+
+    def __post_init__(self):
+        _check(self.n >= 1, "rollout.n", ">= 1", self.n)
+        _check(self.temperature > 0, "rollout.temperature", "> 0 for training rollouts", self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 or >= 1", self.top_k)
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", ">= 1", self.weight_sync_bucket_mb)
+        _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
+        _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = True
+    """Soft overlong punishment: a linear penalty over the last `len` tokens before the limit. [recipe: reward_model.overlong_buffer.enable]"""
+    len: int = 4
+    """Length of the penalty interval in tokens (DAPO: 4096 of 20480). [recipe: reward_model.overlong_buffer.len]"""
+    penalty_factor: float = 1.0
+    """Penalty at the limit. [recipe: reward_model.overlong_buffer.penalty_factor]"""
+    log: bool = False
+    """Also log the overlong penalty statistics. [recipe: reward_model.overlong_buffer.log]"""
+
+    def __post_init__(self):
+        _check(self.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", ">= 0", self.penalty_factor)
+
+
+@dataclass
+class RewardConfig:
+    function: Literal["auto", "arithmetic", "math_dapo"] = "auto"
+    """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. [recipe: reward_model.reward_manager=dapo]"""
+    strict_box_verify: bool = False
+    """math_dapo: accept only a \\boxed{} answer."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping."""
+    overlong_filter: bool = False
+    """Exclude truncated responses (no EOS within the limit) from the loss."""
+    on_error: Literal["raise", "penalize"] = "raise"
+    """A reward function that raises, hangs or returns a non-finite score: stop with a named error, or give error_score and count it."""
+    error_score: float = -1.0
+    """Score given to a sample whose reward failed, when on_error=penalize."""
+    timeout_s: float = 10.0
+    """Per-call timeout of the reward function (<= 0 runs it inline, without a timeout)."""
+    num_workers: int = 1
+    """Reward worker processes."""
+
+    def __post_init__(self):
+        _check(self.num_workers >= 1, "reward.num_workers", ">= 1", self.num_workers)
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """KL-in-reward controller. [recipe: algorithm.kl_ctrl.type]"""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient. [recipe: algorithm.kl_ctrl.kl_coef]"""
+    horizon: int = 10000
+    """Adaptive controller horizon. [recipe: algorithm.kl_ctrl.horizon]"""
+    target_kl: float = 0.1
+    """Adaptive controller target. [recipe: algorithm.kl_ctrl.target_kl]"""
+
+    def __post_init__(self):
+        _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", ">= 0", self.kl_coef)
+        if self.type == "adaptive":
+            _check(self.horizon > 0, "algorithm.kl_ctrl.horizon", "> 0 for the adaptive controller", self.horizon)
+            _check(self.target_kl > 0, "algorithm.kl_ctrl.target_kl", "> 0 for the adaptive controller",
+                   self.target_kl)
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = True
+    """DAPO dynamic sampling: drop groups whose metric is constant, re-generate until train_batch_size groups. [recipe: algorithm.filter_groups.enable]"""
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    """Per-sample value whose within-group variance decides. [recipe: algorithm.filter_groups.metric]"""
+    max_num_gen_batches: int = 10
+    """Most generation batches per step (<= 0: no limit). [recipe: algorithm.filter_groups.max_num_gen_batches]"""
+    on_exhausted: Literal["raise", "train_on_available"] = "raise"
+    """Past max_num_gen_batches: stop with an error (as the recipe), or train on the groups kept so far."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    preset: Literal["decoupled_token_is", "decoupled_seq_is", "decoupled_geo_rs", "bypass_ppo_clip",
+                    "bypass_pg_is"] | None = None
+    """A named preset of the keys below; explicit keys may not also be set. [recipe: algorithm.rollout_correction]"""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights old/rollout policy: per token, per sequence, or None (metrics only). [recipe: algorithm.rollout_correction.rollout_is]"""
+    rollout_is_threshold: float | str = 2.0
+    """A number truncates weights above it; "lower_upper" zeroes weights outside the band. [recipe: algorithm.rollout_correction.rollout_is_threshold]"""
+    rollout_is_batch_normalize: bool = False
+    """Rescale the weights to mean 1. [recipe: algorithm.rollout_correction.rollout_is_batch_normalize]"""
+    rollout_rs: str | None = None
+    """Rejection-sampling modes, comma-separated (token_k1, seq_mean_k1, seq_max_k2, ...). [recipe: algorithm.rollout_correction.rollout_rs]"""
+    rollout_rs_threshold: float | str | None = None
+    """Threshold(s) of rollout_rs, one per mode or one for all. [recipe: algorithm.rollout_correction.rollout_rs_threshold]"""
+    bypass_mode: bool = False
+    """Use the rollout log-probs as old log-probs (skip the old_log_prob forward). [recipe: algorithm.rollout_correction.bypass_mode]"""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Loss in bypass mode: clipped PPO against the rollout policy, or IS-weighted REINFORCE. [recipe: algorithm.rollout_correction.loss_type]"""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage registry entry (grpo for DAPO; grpo_vectorized, rloo, reinforce_plus_plus, gae). [recipe: algorithm.adv_estimator]"""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std. [recipe: algorithm.norm_adv_by_std_in_grpo]"""
+    gamma: float = 1.0
+    """Discount (gae, reinforce_plus_plus). [recipe: algorithm.gamma]"""
+    lam: float = 1.0
+    """GAE lambda. [recipe: algorithm.lam]"""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the token rewards (off in DAPO). [recipe: algorithm.use_kl_in_reward]"""
+    kl_penalty: str = "kl"
+    """KL estimator of the in-reward penalty. [recipe: algorithm.kl_penalty]"""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL-in-reward controller."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy (rollout vs training policy) correction."""
+
+
+@dataclass
+class TrainerConfig:
+    experiment_name: str = "tiny_cpu"
+    """Run name; outputs go under <output_dir>/<experiment_name>/. [recipe: trainer.experiment_name]"""
+    project_name: str = "megatron_dapo"
+    """Project name (logged). [recipe: trainer.project_name]"""
+    output_dir: str = "runs"
+    """Root of run directories (tb/, ckpt/, rollouts/, config.yaml)."""
+    total_training_steps: int = 30
+    """Training steps to run. [recipe: trainer.total_training_steps]"""
+    total_epochs: int = 100
+    """Upper bound in epochs over the prompts. [recipe: trainer.total_epochs]"""
+    save_freq: int = 10
+    """Checkpoint every this many steps (-1 = never; the last step is always saved). [recipe: trainer.save_freq]"""
+    test_freq: int = 5
+    """Validate every this many steps (<= 0 = never). [recipe: trainer.test_freq]"""
+    val_before_train: bool = True
+    """Validate once before the first step. [recipe: trainer.val_before_train]"""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint in default_local_dir), disable, or a checkpoint path. [recipe: trainer.resume_mode]"""
+    default_local_dir: str = ""
+    """Checkpoint directory; empty = <output_dir>/<experiment_name>/ckpt. [recipe: trainer.default_local_dir]"""
+    max_ckpt_to_keep: int = 2
+    """Checkpoints kept (older ones deleted). [recipe: trainer.max_actor_ckpt_to_keep]"""
+    rollout_data_dir: str = ""
+    """Write each step's prompts, responses and scores as JSON lines here; empty = off. [recipe: trainer.rollout_data_dir]"""
+    critic_warmup: int = 0
+    """Steps before the actor starts updating. [recipe: trainer.critic_warmup]"""
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    """Metric sinks: console, tensorboard. [recipe: trainer.logger]"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available."""
+    nnodes: int = 1
+    """Nodes. [recipe: trainer.nnodes]"""
+    n_gpus_per_node: int = 1
+    """Training processes per node (GPUs, or CPU processes). [recipe: trainer.n_gpus_per_node]"""
+    seed: int = 42
+    """Seed of model init and sampling."""
+    balance_batch: bool = True
+    """Balance tokens across data-parallel ranks. [recipe: trainer.balance_batch]"""
+    sft_warmup_steps: int = 0
+    """Supervised warm-up steps on the task's answers before RL (the embedded default uses it; cached in the run directory)."""
+    sft_warmup_lr: float = 1e-3
+    """Learning rate of the supervised warm-up."""
+
+    def __post_init__(self):
+        _check(self.total_training_steps >= 1, "trainer.total_training_steps", ">= 1", self.total_training_steps)
+        _check(self.total_epochs >= 1, "trainer.total_epochs", ">= 1", self.total_epochs)
+        _check(self.save_freq == -1 or self.save_freq >= 1, "trainer.save_freq", "-1 or >= 1", self.save_freq)
+        _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", ">= 1", self.max_ckpt_to_keep)
+        _check(self.critic_warmup >= 0, "trainer.critic_warmup", ">= 0", self.critic_warmup)
+        _check(self.nnodes >= 1, "trainer.nnodes", ">= 1", self.nnodes)
+        _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", ">= 1", self.n_gpus_per_node)
+        _check(set(self.logger) <= {"console", "tensorboard"}, "trainer.logger",
+               'a list of "console" and/or "tensorboard"', self.logger)
+        _check(self.sft_warmup_steps >= 0, "trainer.sft_warmup_steps", ">= 0", self.sft_warmup_steps)
+        _check(bool(self.experiment_name) and "/" not in self.experiment_name, "trainer.experiment_name",
+               "a non-empty name without '/'", self.experiment_name)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
