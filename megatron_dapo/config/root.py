@@ -68,6 +68,10 @@ class Config:
 
 def _check_dynamic_sampling(cfg: Config) -> None:
     if not cfg.algorithm.filter_groups.enable:
+        if cfg.data.effective_gen_batch_size != cfg.data.train_batch_size:
+            raise ConfigError("data.gen_batch_size", f"expected null or data.train_batch_size "
+                              f"({cfg.data.train_batch_size}) when dynamic sampling is off (every generated "
+                              f"prompt is trained on), got {cfg.data.gen_batch_size}")
         return
     if cfg.rollout.n < 2:
         raise ConfigError("rollout.n", f"expected >= 2 when algorithm.filter_groups.enable (a group of one has "

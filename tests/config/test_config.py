@@ -112,9 +112,12 @@ def test_invalid_values_raise_naming_the_key(override, key):
 
 
 def test_filter_groups_off_relaxes_its_checks():
-    cfg = load_config(None, ["algorithm.filter_groups.enable=false", "rollout.n=1", "data.gen_batch_size=4",
+    cfg = load_config(None, ["algorithm.filter_groups.enable=false", "rollout.n=1", "data.gen_batch_size=null",
                              "data.train_batch_size=8", "actor.ppo_mini_batch_size=4"])
     assert cfg.rollout.n == 1
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.filter_groups.enable=false", "data.gen_batch_size=32"])
+    assert e.value.key == "data.gen_batch_size"
 
 
 def test_parallel_sizes_that_divide_the_world_are_accepted():

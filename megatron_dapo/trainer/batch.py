@@ -1,0 +1,142 @@
+"""Typed batch records at the trainer's stage boundaries (STYLE.md rule 10).
+
+Shape legend:
+    B  rows = responses (prompt-major: the n responses of a prompt are contiguous)
+    P  longest prompt in the batch (right-padded)
+    T  max_response_length (right-padded)
+
+    gen    -> RolloutBatch (rollout/base.py)
+    reward -> ScoredBatch  = RolloutBatch + texts + scores/rewards + reward extra info
+    dynamic sampling keeps whole groups of ScoredBatch rows (select_rows / concat_scored)
+    old_log_prob, ref, adv -> PolicyBatch, what the actor's update consumes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_dapo.rollout.base import RolloutBatch
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """Rollouts with their rewards."""
+
+    rollout: RolloutBatch
+    raw_prompt: list[str]  # [B] prompt text (for dumps)
+    response_text: list[str]  # [B] decoded responses
+    ground_truth: list[str]  # [B]
+    scores: Tensor  # [B] float32, the reward function's score
+    rewards: Tensor  # [B] float32, score + overlong penalty (the sequence-level reward)
+    extra: dict[str, list]  # per-row reward info: score, acc, pred, overlong_reward, overlong
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def metric_values(self, metric: str) -> list:
+        """Per-row values of a dynamic-sampling metric (algorithm.filter_groups.metric)."""
+        if metric in ("seq_reward", "seq_final_reward"):
+            # Without KL in the reward (checked at start) the final reward is the shaped reward.
+            return self.rewards.tolist()
+        if metric not in self.extra:
+            raise KeyError(f"filter_groups.metric {metric!r} is not in the reward extra info "
+                           f"(available: {sorted(self.extra)})")
+        return list(self.extra[metric])
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """What the actor update consumes. All [B, T] tensors are zero on padding."""
+
+    prompt_ids: Tensor  # [B, P] int64
+    prompt_length: Tensor  # [B] int64
+    responses: Tensor  # [B, T] int64
+    response_length: Tensor  # [B] int64
+    response_mask: Tensor  # [B, T] float32, after overlong filtering and rejection sampling
+    old_log_probs: Tensor  # [B, T] float32
+    advantages: Tensor  # [B, T] float32
+    rollout_log_probs: Tensor  # [B, T] float32 (first-step invariant, bypass-mode metrics)
+    index: list[str]  # [B] prompt uid per row
+    ref_log_probs: Tensor | None = None  # [B, T] float32 when a KL loss is used
+    rollout_is_weights: Tensor | None = None  # [B, T] float32 when rollout IS is on
+
+    def __len__(self) -> int:
+        return self.responses.shape[0]
+
+    def select(self, rows: Tensor | Sequence[int]) -> PolicyBatch:
+        return _select(self, rows)
+
+
+def _select(record, rows):
+    rows_t = torch.as_tensor(list(rows) if not isinstance(rows, Tensor) else rows, dtype=torch.long)
+    out = {}
+    for f in dataclasses.fields(record):
+        v = getattr(record, f.name)
+        if isinstance(v, Tensor):
+            out[f.name] = v.index_select(0, rows_t)
+        elif isinstance(v, list):
+            out[f.name] = [v[i] for i in rows_t.tolist()]
+        elif isinstance(v, dict):
+            out[f.name] = {k: [vals[i] for i in rows_t.tolist()] for k, vals in v.items()}
+        elif v is None:
+            out[f.name] = None
+        elif dataclasses.is_dataclass(v):
+            out[f.name] = _select(v, rows_t)
+        else:
+            raise TypeError(f"cannot select rows of field {f.name!r} ({type(v).__name__})")
+    return type(record)(**out)
+
+
+def select_rows(batch: ScoredBatch, rows: Sequence[int]) -> ScoredBatch:
+    return _select(batch, rows)
+
+
+def _pad_cat(tensors: list[Tensor], pad_value) -> Tensor:
+    """Concatenate along dim 0, right-padding dim 1 to the widest (prompts differ in length)."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_value) for t in tensors])
+
+
+def _concat(records: list, pad_id: int):
+    first = records[0]
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(first):
+        vals = [getattr(r, f.name) for r in records]
+        v0 = vals[0]
+        if isinstance(v0, Tensor):
+            out[f.name] = _pad_cat(vals, pad_id if f.name == "prompt_ids" else 0)
+        elif isinstance(v0, list):
+            out[f.name] = [x for v in vals for x in v]
+        elif isinstance(v0, dict):
+            keys = set(v0)
+            for v in vals:
+                if set(v) != keys:
+                    raise ValueError(f"cannot concatenate {f.name}: keys {sorted(v)} != {sorted(keys)}")
+            out[f.name] = {k: [x for v in vals for x in v[k]] for k in v0}
+        elif dataclasses.is_dataclass(v0):
+            out[f.name] = _concat(vals, pad_id)
+        else:
+            raise TypeError(f"cannot concatenate field {f.name!r} ({type(v0).__name__})")
+    return type(first)(**out)
+
+
+def concat_scored(batches: list[ScoredBatch], *, pad_id: int) -> ScoredBatch:
+    if not batches:
+        raise ValueError("concat_scored: no batches")
+    return batches[0] if len(batches) == 1 else _concat(batches, pad_id)
+
+
+def token_level(values: Tensor, response_length: Tensor, width: int) -> Tensor:
+    """[B] sequence values placed on each row's last response token -> [B, T] (0 elsewhere)."""
+    out = torch.zeros(values.shape[0], width, dtype=torch.float32)
+    rows = torch.nonzero(response_length > 0).squeeze(1)
+    out[rows, response_length[rows] - 1] = values[rows].float()
+    return out
