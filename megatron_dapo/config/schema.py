@@ -218,10 +218,6 @@ class ActorConfig:
     """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
-    mtp_detach_trunk: bool = False
-    """Train the MTP layers on a detached trunk (the drafter follows the policy, the policy is unaffected)."""
-    router_replay: bool = False
-    """MoE: replay the rollout's expert choices in the training forward."""
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)

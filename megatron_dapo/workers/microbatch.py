@@ -58,11 +58,12 @@ def plan_microbatches(lengths: list[int], max_tokens: int, *, sort_by_length: bo
 
 
 def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor,
-                     response_length: Tensor, *, pad_id: int) -> MicroBatch:
+                     response_length: Tensor, *, pad_id: int, seq_multiple: int = 1) -> MicroBatch:
+    """seq_multiple: S is rounded up to it (sequence parallelism splits S over the TP ranks)."""
     rows_t = torch.tensor(rows, dtype=torch.long)
     pl, rl = prompt_length[rows_t], response_length[rows_t]
     seq_len = pl + rl
-    S = int(seq_len.max())
+    S = -(-int(seq_len.max()) // seq_multiple) * seq_multiple
     ids = torch.full((len(rows), S + 1), pad_id, dtype=torch.long)
     for k, r in enumerate(rows):
         p, n = int(pl[k]), int(rl[k])
@@ -75,13 +76,13 @@ def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor,
 
 def make_microbatches(prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor, response_length: Tensor,
                       *, rows: list[int] | None = None, max_tokens: int, pad_id: int,
-                      sort_by_length: bool = False) -> list[MicroBatch]:
+                      sort_by_length: bool = False, seq_multiple: int = 1) -> list[MicroBatch]:
     """Micro-batches over `rows` (default: all rows) of a batch."""
     rows = list(range(responses.shape[0])) if rows is None else list(rows)
     lengths = [int(prompt_length[r] + response_length[r]) for r in rows]
     plan = plan_microbatches(lengths, max_tokens, sort_by_length=sort_by_length)
     return [build_microbatch([rows[i] for i in g], prompt_ids, prompt_length, responses, response_length,
-                             pad_id=pad_id) for g in plan]
+                             pad_id=pad_id, seq_multiple=seq_multiple) for g in plan]
 
 
 def to_response_aligned(values: Tensor, mb: MicroBatch, width: int) -> Tensor:

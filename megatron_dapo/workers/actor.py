@@ -1,0 +1,246 @@
+"""The Megatron actor: per-token log-probs and the DAPO policy update.
+
+Shape legend:
+    B  rows (responses) of the batch, prompt-major   T  response width   b, S  one micro-batch
+    log_probs, entropy, response_mask, advantages: [B, T]
+
+Data parallelism is SPMD: every rank holds the whole batch, works on its DP shard of the rows and
+the results are reduced across DP. The loss of every micro-batch is normalised by the *global*
+token count (or sequence count) of its mini-batch, computed once from the whole mini-batch before
+the micro-batch loop (STYLE.md rule 7), so the objective does not depend on how a mini-batch is
+split into micro-batches or DP ranks. Megatron's schedule divides each micro-batch loss by the
+number of micro-batches and DDP averages gradients over DP; `_loss_func` undoes the first and the
+`dp_size` factor of `agg_loss` undoes the second.
+
+Every actor config field reaches the loss by keyword (STYLE.md rule 2; tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_dapo.algos.kl import kl_penalty
+from megatron_dapo.algos.policy_loss import agg_loss
+from megatron_dapo.config.schema import ActorConfig
+from megatron_dapo.models.forward import _main_logits as main_logits
+from megatron_dapo.trainer.batch import PolicyBatch
+from megatron_dapo.workers.logprob import logprob_entropy_from_logits
+from megatron_dapo.workers.microbatch import MicroBatch, make_microbatches, scatter_rows, to_response_aligned
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    log_probs: Tensor  # [B, T] float32
+    entropy: Tensor | None  # [B, T] float32
+    sum_sq_probs: Tensor | None  # [B, T] float32, sum_v p_v^2 (variance proxy)
+
+
+def dp_shard_rows(lengths: list[int], dp_size: int, dp_rank: int, *, balance: bool) -> list[int]:
+    """This DP rank's rows. balance=True deals rows longest-first in a snake order so every rank gets
+    about the same number of tokens; otherwise contiguous chunks. Deterministic on every rank."""
+    n = len(lengths)
+    if n < dp_size:
+        raise ValueError(f"{n} rows cannot be split over {dp_size} data-parallel ranks")
+    if not balance:
+        per = -(-n // dp_size)
+        return list(range(dp_rank * per, min(n, (dp_rank + 1) * per)))
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    mine = []
+    for k, i in enumerate(order):
+        lap, pos = divmod(k, dp_size)
+        if (pos if lap % 2 == 0 else dp_size - 1 - pos) == dp_rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+class PolicyModel:
+    """A (possibly pipelined / DDP-wrapped) Megatron model that computes per-token log-probs."""
+
+    def __init__(self, model_chunks: list, *, pgs, pad_id: int, temperature: float, max_tokens: int,
+                 vocab_size: int):
+        self.chunks, self.pgs = model_chunks, pgs
+        self.pad_id, self.temperature, self.max_tokens = pad_id, temperature, max_tokens
+        self.vocab_size = vocab_size
+        # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks).
+        self.seq_multiple = pgs.tp_size * (2 * pgs.cp_size if pgs.cp_size > 1 else 1)
+
+    # -- one micro-batch -------------------------------------------------------------------------
+    def _forward(self, model, mb: MicroBatch):
+        """Logits [b, S, V/tp] of the main head on the last stage (MTP handled), activations elsewhere."""
+        dev = self.pgs.device
+        return main_logits(model, mb.input_ids.to(dev), mb.position_ids.to(dev), None, mb.labels.to(dev),
+                           gather=False)
+
+    def _response_logits(self, output: Tensor, mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
+        """Vocab-parallel logits at the response positions [b*T, V/tp] and their labels [b*T]."""
+        b, S, vp = output.shape
+        idx = (mb.resp_start.unsqueeze(1) + torch.arange(width).unsqueeze(0)).clamp(max=S - 1).to(output.device)
+        logits = output.gather(1, idx.unsqueeze(-1).expand(b, width, vp))
+        labels = to_response_aligned(mb.labels.to(output.device), mb, width)
+        return logits.reshape(b * width, vp), labels.reshape(b * width)
+
+    def token_stats(self, output, mb, width, *, entropy: bool, sum_sq: bool):
+        logits, labels = self._response_logits(output, mb, width)
+        vp = logits.shape[-1]
+        logp, ent, sq = logprob_entropy_from_logits(
+            logits, labels, temperature=self.temperature, tp_group=self.pgs.tp,
+            vocab_start=self.pgs.tp_rank * vp, compute_entropy=entropy, compute_sum_sq=sum_sq)
+        b = mb.rows.numel()
+        return (logp.view(b, width), None if ent is None else ent.view(b, width),
+                None if sq is None else sq.view(b, width))
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return self._forward(model, mb), partial(loss_func, mb)
+
+        fb = get_forward_backward_func()
+        seq = max(int(mb.input_ids.shape[1]) for mb in microbatches)
+        mbs = max(int(mb.input_ids.shape[0]) for mb in microbatches)
+        its = [iter(microbatches) for _ in self.chunks] if len(self.chunks) > 1 else iter(microbatches)
+        return fb(forward_step_func=forward_step, data_iterator=its, model=self.chunks,
+                  num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
+                  forward_only=forward_only)
+
+    @torch.no_grad()
+    def compute_log_prob(self, prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor,
+                         response_length: Tensor, *, with_entropy: bool = False,
+                         with_sum_sq: bool = False) -> LogProbs:
+        """Per-token log-probs of the responses at the sampling temperature (all ranks get [B, T])."""
+        B, T = responses.shape
+        lengths = (prompt_length + response_length).tolist()
+        rows = dp_shard_rows(lengths, self.pgs.dp_size, self.pgs.dp_rank, balance=True)
+        mbs = make_microbatches(prompt_ids, prompt_length, responses, response_length, rows=rows,
+                                max_tokens=self.max_tokens, pad_id=self.pad_id, sort_by_length=True,
+                                seq_multiple=self.seq_multiple)
+        out = {k: torch.zeros(B, T) for k in ("lp", "ent", "sq")}
+
+        def loss_func(mb, output):
+            lp, ent, sq = self.token_stats(output, mb, T, entropy=with_entropy, sum_sq=with_sum_sq)
+            for key, val in (("lp", lp), ("ent", ent), ("sq", sq)):
+                if val is not None:
+                    scatter_rows(out[key], mb, val.float().cpu())
+            return lp.new_zeros(()), {}
+
+        for m in self.chunks:
+            m.eval()
+        self.run(mbs, loss_func, forward_only=True)
+        stacked = torch.stack([out["lp"], out["ent"], out["sq"]]).to(self.pgs.device)
+        if self.pgs.pp_size > 1:  # only the last stage computed them
+            dist.broadcast(stacked, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
+        if self.pgs.dp_size > 1:  # disjoint rows: a sum is a gather
+            dist.all_reduce(stacked, group=self.pgs.dp)
+        stacked = stacked.cpu()
+        return LogProbs(stacked[0], stacked[1] if with_entropy else None, stacked[2] if with_sum_sq else None)
+
+
+class Actor:
+    """The policy: PolicyModel + Megatron optimizer + LR scheduler + the DAPO loss."""
+
+    def __init__(self, policy: PolicyModel, *, optimizer, scheduler, cfg: ActorConfig, loss_fn, n: int,
+                 balance_batch: bool):
+        self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
+        self.cfg, self.loss_fn, self.n, self.balance_batch = cfg, loss_fn, n, balance_batch
+        self.pgs = policy.pgs
+
+    def compute_log_prob(self, *args, **kwargs) -> LogProbs:
+        return self.policy.compute_log_prob(*args, **kwargs)
+
+    def _loss_func(self, batch: PolicyBatch, totals: dict, denom: dict, num_mbs: int, mb: MicroBatch, output):
+        cfg, T = self.cfg, batch.responses.shape[1]
+        rows = mb.rows
+        logp, ent, _ = self.policy.token_stats(output, mb, T, entropy=True, sum_sq=False)
+        dev = logp.device
+        take = lambda t: None if t is None else t.index_select(0, rows).to(dev)  # noqa: E731
+        mask = take(batch.response_mask)
+        norm = dict(dp_size=self.pgs.dp_size, batch_num_tokens=denom["tokens"], global_batch_size=denom["seqs"])
+        pg_loss, pg_metrics = self.loss_fn(
+            old_log_prob=take(batch.old_log_probs), log_prob=logp, advantages=take(batch.advantages),
+            response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            rollout_is_weights=take(batch.rollout_is_weights), **norm)
+        loss = pg_loss
+        ent_mat = ent if cfg.entropy_coeff > 0 else ent.detach()
+        entropy = agg_loss(ent_mat, mask, cfg.loss_agg_mode, **norm)
+        if cfg.entropy_coeff > 0:
+            loss = loss - cfg.entropy_coeff * entropy
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logp, take(batch.ref_log_probs), cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            totals["actor/kl_loss"] += kl_loss.detach() / self.pgs.dp_size
+        # Mini-batch totals: losses are already normalised globally (x dp_size); token metrics are
+        # masked means of this micro-batch, weighted back by its token count.
+        n_tok = mask.sum()
+        totals["actor/pg_loss"] += pg_loss.detach() / self.pgs.dp_size
+        totals["actor/entropy"] += entropy.detach() / self.pgs.dp_size
+        for k, v in pg_metrics.items():
+            totals[k] += v.detach() * n_tok
+        totals["_tokens"] += n_tok.detach()
+        # Megatron divides by the number of micro-batches (legacy 2-tuple loss); undo it.
+        return loss * num_mbs, {}
+
+    def update_policy(self, batch: PolicyBatch) -> dict[str, float]:
+        """ppo_epochs x mini-batches of ppo_mini_batch_size prompts; one optimizer step per mini-batch."""
+        cfg = self.cfg
+        rows_per_mini = cfg.ppo_mini_batch_size * self.n
+        B = len(batch)
+        if B % rows_per_mini:
+            raise ValueError(f"batch of {B} rows is not a multiple of ppo_mini_batch_size*n = {rows_per_mini}")
+        for m in self.policy.chunks:
+            m.train()
+        history: list[dict[str, Tensor]] = []
+        for _epoch in range(cfg.ppo_epochs):
+            for start in range(0, B, rows_per_mini):
+                mini = list(range(start, start + rows_per_mini))
+                history.append(self._update_mini(batch, mini))
+        keys = history[0].keys()
+        return {k: float(sum(float(h[k]) for h in history) / len(history)) for k in keys}
+
+    def _update_mini(self, batch: PolicyBatch, mini: list[int]) -> dict[str, Tensor]:
+        mask = batch.response_mask[mini]
+        denom = {"tokens": mask.sum().to(self.pgs.device),
+                 "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
+        lengths = [int(batch.prompt_length[r] + batch.response_length[r]) for r in mini]
+        local = [mini[i] for i in dp_shard_rows(lengths, self.pgs.dp_size, self.pgs.dp_rank,
+                                                 balance=self.balance_batch)]
+        mbs = make_microbatches(batch.prompt_ids, batch.prompt_length, batch.responses, batch.response_length,
+                                rows=local, max_tokens=self.cfg.max_tokens_per_microbatch, pad_id=self.policy.pad_id,
+                                seq_multiple=self.policy.seq_multiple)
+        zero = lambda: torch.zeros((), device=self.pgs.device)  # noqa: E731
+        totals = {k: zero() for k in ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
+                                      "actor/pg_clipfrac_lower", "_tokens")}
+        if self.cfg.use_kl_loss:
+            totals["actor/kl_loss"] = zero()
+        for chunk in self.policy.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_func = partial(self._loss_func, batch, totals, denom, len(mbs))
+        self.policy.run(mbs, loss_func, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return self._reduce(totals, grad_norm, ok)
+
+    def _reduce(self, totals: dict[str, Tensor], grad_norm, ok: bool) -> dict[str, Tensor]:
+        keys = list(totals)
+        vec = torch.stack([totals[k].float() for k in keys])
+        if self.pgs.pp_size > 1:
+            dist.broadcast(vec, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
+        if self.pgs.dp_size > 1:
+            dist.all_reduce(vec, group=self.pgs.dp)
+        out = dict(zip(keys, vec.cpu()))
+        tokens = out.pop("_tokens").clamp(min=1)
+        for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+            out[k] = out[k] / tokens
+        out["actor/grad_norm"] = torch.tensor(float(grad_norm) if grad_norm is not None else 0.0)
+        out["actor/lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
+        out["actor/update_skipped"] = torch.tensor(0.0 if ok else 1.0)
+        return out

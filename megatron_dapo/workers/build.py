@@ -1,0 +1,129 @@
+"""Build the actor and the reference from the typed config: model, then DDP, then optimizer.
+
+STYLE.md rule 9: small ordered functions; the CPU and GPU paths differ only in the layer spec
+(chosen by `models.builder`) and in defaults resolved here (distributed optimizer on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_dapo.algos.policy_loss import get_policy_loss_fn
+from megatron_dapo.config import Config
+from megatron_dapo.models.arch import ModelArch, get_arch
+from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.workers.actor import Actor, PolicyModel
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_arch(cfg: Config, *, vocab_size: int) -> ModelArch:
+    """The architecture of cfg.model with its overrides and the tokenizer's vocabulary."""
+    m = cfg.model
+    if m.arch == "hf":
+        from megatron_dapo.models.hf import arch_from_hf
+
+        arch = arch_from_hf(m.hf_path)
+    else:
+        arch = get_arch(m.arch)
+    overrides = {k: getattr(m, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                            "num_attention_heads", "num_query_groups") if getattr(m, k) is not None}
+    if m.mtp_num_layers:
+        overrides["mtp_num_layers"] = m.mtp_num_layers
+    if m.arch in ("tiny", "tiny_moe"):  # the tiny presets take the task's vocabulary
+        overrides["vocab_size"] = vocab_size
+    elif vocab_size > arch.vocab_size:
+        raise ValueError(f"model.arch {m.arch!r} has vocab_size {arch.vocab_size} < the tokenizer's {vocab_size}")
+    return dataclasses.replace(arch, **overrides)
+
+
+def _config_overrides(cfg: Config) -> dict:
+    out = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scaling_factor}
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        out["variable_seq_lengths"] = True  # p2p shapes differ per micro-batch (token-budget packing)
+    if cfg.model.recompute != "none":
+        out.update(recompute_granularity=cfg.model.recompute,
+                   **({"recompute_method": "uniform", "recompute_num_layers": 1} if cfg.model.recompute == "full" else {}))
+    return out
+
+
+def build_model_chunks(cfg: Config, arch: ModelArch, pgs, *, seed: int) -> list:
+    from megatron_dapo.models.builder import build_gpt_model_chunks
+
+    chunks = build_gpt_model_chunks(arch, pgs=pgs, seed=seed, params_dtype=_DTYPES[cfg.model.params_dtype],
+                                    sequence_parallel=cfg.parallel.sequence_parallel or None,
+                                    config_overrides=_config_overrides(cfg))
+    if cfg.model.hf_path:
+        from megatron_dapo.models.hf import load_hf_weights_into
+
+        load_hf_weights_into(chunks, cfg.model.hf_path, arch=arch, pgs=pgs)
+    return chunks
+
+
+def use_distributed_optimizer(cfg: Config, pgs) -> bool:
+    flag = cfg.actor.use_distributed_optimizer
+    return (pgs.device.type == "cuda") if flag is None else flag
+
+
+def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
+    """Model -> DDP -> Megatron optimizer -> LR schedule -> Actor."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    arch = model_arch(cfg, vocab_size=vocab_size)
+    chunks = build_model_chunks(cfg, arch, pgs, seed=cfg.trainer.seed)
+    dist_opt = use_distributed_optimizer(cfg, pgs)
+    tf_config = chunks[0].config
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt)
+    chunks = [DistributedDataParallel(config=tf_config, ddp_config=ddp_cfg, module=c,
+                                      disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    a = cfg.actor
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+                              adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+                              clip_grad=a.clip_grad, bf16=cfg.model.params_dtype == "bf16",
+                              params_dtype=_DTYPES[cfg.model.params_dtype], use_distributed_optimizer=dist_opt)
+    optimizer = get_megatron_optimizer(opt_cfg, chunks)
+    for c in chunks:
+        c.config.finalize_model_grads_func = finalize_model_grads
+        c.config.grad_scale_func = optimizer.scale_loss
+    steps = cfg.trainer.total_training_steps * a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    warmup = min(a.lr_warmup_steps, max(steps - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else a.lr, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(steps, warmup + 1), lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
+        end_wd=a.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+    policy = PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
+                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size)
+    return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a,
+                 loss_fn=get_policy_loss_fn(_loss_name(cfg)), n=cfg.rollout.n, balance_batch=cfg.trainer.balance_batch)
+
+
+def _loss_name(cfg: Config) -> str:
+    """Bypass mode with loss_type=reinforce (the bypass_pg_is preset) swaps the loss registry entry."""
+    from megatron_dapo.config import resolve_rollout_correction
+
+    rc = resolve_rollout_correction(cfg)
+    if rc["bypass_mode"] and rc["loss_type"] == "reinforce":
+        return "reinforce"
+    return cfg.actor.policy_loss
+
+
+def build_reference(cfg: Config, pgs, *, vocab_size: int, pad_id: int, actor: Actor | None = None) -> PolicyModel:
+    """A frozen copy of the initial policy for reference log-probs (built only when a KL term is used)."""
+    arch = model_arch(cfg, vocab_size=vocab_size)
+    chunks = build_model_chunks(cfg, arch, pgs, seed=cfg.trainer.seed)
+    if actor is not None:  # start from exactly the actor's current weights
+        for ref_chunk, act_chunk in zip(chunks, actor.policy.chunks):
+            ref_chunk.load_state_dict(unwrap_model(act_chunk).state_dict())
+    for c in chunks:
+        c.requires_grad_(False)
+        c.eval()
+    return PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
+                       max_tokens=cfg.actor.max_tokens_per_microbatch, vocab_size=arch.vocab_size)

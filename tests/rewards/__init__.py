@@ -1,0 +1,1 @@
+"""Tests of megatron_dapo.rewards."""
