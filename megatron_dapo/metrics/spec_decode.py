@@ -1,10 +1,10 @@
 """Speculative-decoding (MTP / EAGLE) acceptance metrics from the rollout engine's per-request meta.
 
-Keys read from each request's `meta_info` (the names SGLang returns when speculative decoding
-is on):
+Keys read from each sample's engine meta (`rollout.base.SPEC_META_KEYS`; the SGLang engine maps
+SGLang's meta_info names onto them):
 
-    spec_draft_token_num    draft tokens proposed for the request
-    spec_accept_token_num   draft tokens the target model accepted
+    spec_draft_tokens       draft tokens proposed for the request
+    spec_accepted_tokens    draft tokens the target model accepted
     spec_verify_ct          verification (target forward) rounds the request took
 
 Every verification round emits the accepted drafts plus one token of the target model itself,
@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["SPEC_ACCEPT_KEY", "SPEC_DRAFT_KEY", "SPEC_VERIFY_KEY", "compute_spec_decode_metrics"]
 
-SPEC_DRAFT_KEY = "spec_draft_token_num"
-SPEC_ACCEPT_KEY = "spec_accept_token_num"
-SPEC_VERIFY_KEY = "spec_verify_ct"
+from megatron_dapo.rollout.base import SPEC_META_KEYS  # noqa: E402  (one definition of the names)
+
+SPEC_DRAFT_KEY, SPEC_ACCEPT_KEY, SPEC_VERIFY_KEY = SPEC_META_KEYS
 _KEYS = (SPEC_DRAFT_KEY, SPEC_ACCEPT_KEY, SPEC_VERIFY_KEY)
 
 

@@ -14,10 +14,10 @@ def _req(drafts, accepted, verifies, **extra):
     return {SPEC_DRAFT_KEY: drafts, SPEC_ACCEPT_KEY: accepted, SPEC_VERIFY_KEY: verifies, **extra}
 
 
-def test_key_names_are_sglangs():
+def test_key_names_are_the_engine_meta_keys():
     assert (SPEC_DRAFT_KEY, SPEC_ACCEPT_KEY, SPEC_VERIFY_KEY) == (
-        "spec_draft_token_num",
-        "spec_accept_token_num",
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
         "spec_verify_ct",
     )
 
@@ -66,13 +66,13 @@ def test_a_key_missing_in_one_request_leaves_that_quantity_incomplete():
     # unavailable while accepts and verifies are: a partial set.
     meta = [_req(4, 2, 1), {SPEC_ACCEPT_KEY: 1, SPEC_VERIFY_KEY: 1}]
     with pytest.raises(
-        AssertionError, match=r"spec_draft_token_num missing in 1 of 2 requests \(first: meta\[1\]\)"
+        AssertionError, match=r"spec_draft_tokens missing in 1 of 2 requests \(first: meta\[1\]\)"
     ):
         compute_spec_decode_metrics(meta)
 
 
 def test_a_none_value_counts_as_missing():
-    with pytest.raises(AssertionError, match="spec_accept_token_num missing"):
+    with pytest.raises(AssertionError, match="spec_accepted_tokens missing"):
         compute_spec_decode_metrics([_req(4, None, 2)])
 
 

@@ -1,0 +1,364 @@
+"""The rollout engine contract: sampling parameters, samples, the engine interface, the batch record.
+
+Every engine (the local Megatron engine, the SGLang engine) implements `RolloutEngine` and returns
+`Sample` records; `samples_to_batch` turns them into the one tensor record (`RolloutBatch`) that the
+trainer consumes. Nothing here imports GPU-only packages.
+
+Shape legend (RolloutBatch):
+    B  rows = responses (n per prompt, prompt-major: all samples of prompt 0, then prompt 1, ...)
+    P  longest prompt in the batch (prompts are right-padded)
+    T  max_response_length (responses are right-padded to this fixed width)
+
+Ordering contract of `RolloutEngine.generate`: the returned list has `len(prompts) * sampling.n`
+samples, ordered by prompt (in the order given) and then by `sample_index` 0..n-1. Prompt ids must
+be unique within one call: they define the GRPO groups.
+
+Seeds: when `SamplingParams.seed` is set, sample j of prompt `pid` uses
+`derive_sample_seed(seed, pid, j)`, a stable hash that does not depend on batching or on the order
+of the prompts, so every engine draws the same per-sample seeds for the same inputs.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""stop: an EOS / stop token ended the response (it is included); length: max_new_tokens reached;
+abort: the engine was aborted (the response may be partial or empty)."""
+
+SPEC_META_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_ct")
+"""Per-request speculative-decoding counts an engine may put in `Sample.meta`."""
+
+# Log-probs are <= 0 mathematically; engines compute them in bf16/fp32, so allow round-off above 0.
+_LOGPROB_ROUNDOFF = 1e-3
+
+
+class RolloutEngineError(RuntimeError):
+    """Base class of the errors an engine raises for a failed request or a bad reply."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample. `n` responses per prompt; temperature 0 means greedy."""
+
+    max_new_tokens: int
+    """Upper bound on response tokens (the stop token, when sampled, counts)."""
+    n: int = 1
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 = whole vocabulary."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (in addition to the model's EOS)."""
+    seed: int | None = None
+    """Base seed; per-sample seeds come from `derive_sample_seed`. None = engine randomness."""
+
+    def __post_init__(self):
+        _require_int(self.max_new_tokens, "max_new_tokens", minimum=1)
+        _require_int(self.n, "n", minimum=1)
+        if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
+            )
+        stop = tuple(self.stop_token_ids)
+        for t in stop:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must hold ints >= 0, got {t!r} in {stop}")
+        object.__setattr__(self, "stop_token_ids", stop)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt: its id (the GRPO group key) and its token ids."""
+
+    prompt_id: str
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.prompt_id, str) or not self.prompt_id:
+            raise ValueError(f"PromptInput.prompt_id must be a non-empty str, got {self.prompt_id!r}")
+        ids = _int_tuple(self.token_ids, f"PromptInput(prompt_id={self.prompt_id!r}).token_ids")
+        if not ids:
+            raise ValueError(f"PromptInput(prompt_id={self.prompt_id!r}).token_ids is empty")
+        object.__setattr__(self, "token_ids", ids)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One response of one prompt, as produced by an engine."""
+
+    prompt_id: str
+    sample_index: int
+    """0..n-1 within the prompt's group."""
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: tuple[int, ...]
+    """Sampled tokens, the stop token included when finish_reason == "stop"."""
+    rollout_log_probs: tuple[float, ...]
+    """log p(token) under the engine's sampling distribution, one per response token."""
+    finish_reason: str
+    """One of FINISH_REASONS."""
+    policy_version: int
+    """Version of the weights that produced the sample (bumped by each update_weights)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Engine meta: the SPEC_META_KEYS counts when speculative decoding ran."""
+
+    def __post_init__(self):
+        where = f"Sample(prompt_id={self.prompt_id!r}, sample_index={self.sample_index!r})"
+        if not isinstance(self.prompt_id, str) or not self.prompt_id:
+            raise ValueError(f"{where}.prompt_id must be a non-empty str")
+        _require_int(self.sample_index, f"{where}.sample_index", minimum=0, prefix="")
+        _require_int(self.policy_version, f"{where}.policy_version", minimum=0, prefix="")
+        object.__setattr__(
+            self, "prompt_token_ids", _int_tuple(self.prompt_token_ids, f"{where}.prompt_token_ids")
+        )
+        response = _int_tuple(self.response_token_ids, f"{where}.response_token_ids")
+        object.__setattr__(self, "response_token_ids", response)
+        logps = _logprob_tuple(self.rollout_log_probs, f"{where}.rollout_log_probs")
+        if len(logps) != len(response):
+            raise ValueError(
+                f"{where}: rollout_log_probs has {len(logps)} entries, response_token_ids has {len(response)}"
+            )
+        object.__setattr__(self, "rollout_log_probs", logps)
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"{where}.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
+            )
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"{where}.meta must be a dict, got {type(self.meta).__name__}")
+
+
+def derive_sample_seed(seed: int, prompt_id: str, sample_index: int) -> int:
+    """A stable 31-bit seed for sample `sample_index` of `prompt_id` (independent of batching/order)."""
+    digest = hashlib.blake2b(f"{seed}\x00{prompt_id}\x00{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def check_generate_inputs(prompts: Sequence[PromptInput], sampling: SamplingParams) -> None:
+    """Validate the arguments of `RolloutEngine.generate` (types, unique prompt ids)."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    seen: set[str] = set()
+    for i, p in enumerate(prompts):
+        if not isinstance(p, PromptInput):
+            raise TypeError(f"prompts[{i}] must be a PromptInput, got {type(p).__name__}")
+        if p.prompt_id in seen:
+            raise ValueError(
+                f"prompts[{i}].prompt_id {p.prompt_id!r} is repeated; prompt ids must be unique per call"
+            )
+        seen.add(p.prompt_id)
+
+
+def check_generate_output(
+    prompts: Sequence[PromptInput], sampling: SamplingParams, samples: Sequence[Sample]
+) -> None:
+    """Assert the ordering contract: n samples per prompt, prompt-major, sample_index 0..n-1."""
+    expected = len(prompts) * sampling.n
+    if len(samples) != expected:
+        raise RolloutEngineError(
+            f"engine returned {len(samples)} samples, expected {len(prompts)} x {sampling.n}"
+        )
+    for row, s in enumerate(samples):
+        p = prompts[row // sampling.n]
+        j = row % sampling.n
+        if s.prompt_id != p.prompt_id or s.sample_index != j:
+            raise RolloutEngineError(
+                f"row {row}: engine returned (prompt_id={s.prompt_id!r}, sample_index={s.sample_index}), "
+                f"expected ({p.prompt_id!r}, {j})"
+            )
+        if len(s.response_token_ids) > sampling.max_new_tokens:
+            raise RolloutEngineError(
+                f"row {row} (prompt_id={s.prompt_id!r}): {len(s.response_token_ids)} response tokens "
+                f"> max_new_tokens={sampling.max_new_tokens}"
+            )
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from an inference engine.
+
+    Weight versions: `policy_version` starts at the value given at construction and becomes
+    `policy_version` of each successful `update_weights`; every Sample carries the version that
+    produced it. `abort()` makes generate calls in flight return promptly, their unfinished samples
+    with finish_reason "abort". `release_memory()` / `resume_memory()` free and re-take the
+    accelerator memory (weights and KV cache) when the engine shares GPUs with training.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        """Sample `sampling.n` responses per prompt; ordering as in the module docstring."""
+
+    @abc.abstractmethod
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+        *,
+        policy_version: int,
+        **kwargs: Any,
+    ) -> None:
+        """Load new weights (None: the caller already pushed them; only the version changes)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stop in-flight generation; pending samples come back with finish_reason "abort"."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free accelerator memory (weights, KV cache) for colocated training."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Re-take the memory freed by `release_memory`."""
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]:
+        """A dict with at least `healthy: bool` and `policy_version: int`."""
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights the engine currently samples with."""
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need no override
+        """Release the engine's resources (threads, connections, processes)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Samples as tensors, one row per response (rows in the engine's prompt-major order).
+
+    Prompts are right-padded (prompt tokens are `prompt_ids[b, :prompt_length[b]]`), so row b's
+    full sequence is `prompt_ids[b, :prompt_length[b]]` followed by
+    `responses[b, :response_length[b]]`; packing for Megatron concatenates those two slices.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P] int64, right-padded with pad_id
+    prompt_length: torch.Tensor  # [B] int64
+    responses: torch.Tensor  # [B, T] int64, right-padded with pad_id
+    response_mask: torch.Tensor  # [B, T] float32, 1 on response tokens, 0 on padding
+    rollout_log_probs: torch.Tensor  # [B, T] float32, 0 on padding
+    response_length: torch.Tensor  # [B] int64
+    sample_index: torch.Tensor  # [B] int64
+    policy_version: torch.Tensor  # [B] int64
+    aborted: torch.Tensor  # [B] bool, finish_reason == "abort"
+    finish_reason: list[str]  # [B]
+    index: list[str]  # [B] prompt id per row (the GRPO group key)
+    meta: list[dict[str, Any]]  # [B] engine meta per row
+
+    def __len__(self) -> int:
+        return self.responses.shape[0]
+
+
+def samples_to_batch(samples: Sequence[Sample], *, pad_id: int, max_response_length: int) -> RolloutBatch:
+    """Pad `samples` into a RolloutBatch of response width `max_response_length` (a fixed T)."""
+    if not samples:
+        raise ValueError("samples_to_batch: samples is empty")
+    _require_int(pad_id, "pad_id", minimum=0, prefix="samples_to_batch: ")
+    _require_int(max_response_length, "max_response_length", minimum=1, prefix="samples_to_batch: ")
+    for row, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise TypeError(f"samples_to_batch: samples[{row}] must be a Sample, got {type(s).__name__}")
+        if len(s.response_token_ids) > max_response_length:
+            raise ValueError(
+                f"samples_to_batch: row {row} (prompt_id={s.prompt_id!r}, sample_index={s.sample_index}) has "
+                f"{len(s.response_token_ids)} response tokens > max_response_length={max_response_length}"
+            )
+    B, T = len(samples), max_response_length
+    P = max(len(s.prompt_token_ids) for s in samples)
+    prompt_ids = torch.full((B, P), pad_id, dtype=torch.int64)
+    responses = torch.full((B, T), pad_id, dtype=torch.int64)
+    log_probs = torch.zeros((B, T), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        if s.prompt_token_ids:
+            prompt_ids[b, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
+        if s.response_token_ids:
+            L = len(s.response_token_ids)
+            responses[b, :L] = torch.tensor(s.response_token_ids, dtype=torch.int64)
+            log_probs[b, :L] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    response_length = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.int64)
+    response_mask = (torch.arange(T).unsqueeze(0) < response_length.unsqueeze(1)).to(torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_length=torch.tensor([len(s.prompt_token_ids) for s in samples], dtype=torch.int64),
+        responses=responses,
+        response_mask=response_mask,
+        rollout_log_probs=log_probs,
+        response_length=response_length,
+        sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
+        policy_version=torch.tensor([s.policy_version for s in samples], dtype=torch.int64),
+        aborted=torch.tensor([s.finish_reason == "abort" for s in samples], dtype=torch.bool),
+        finish_reason=[s.finish_reason for s in samples],
+        index=[s.prompt_id for s in samples],
+        meta=[dict(s.meta) for s in samples],
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _require_int(value: Any, name: str, *, minimum: int, prefix: str = "SamplingParams.") -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{prefix}{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
+    # C-level fast path (responses can be tens of thousands of tokens); the slow loop only runs to
+    # name the offending position.
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    values = tuple(values)
+    if not any(map(bool.__instancecheck__, values)):
+        try:
+            out = tuple(map(operator.index, values))
+            if not out or min(out) >= 0:
+                return out
+        except TypeError:
+            pass
+    for i, t in enumerate(values):
+        if isinstance(t, bool) or not hasattr(t, "__index__") or operator.index(t) < 0:
+            raise ValueError(f"{name}[{i}] must be an int >= 0, got {t!r}")
+    raise AssertionError("unreachable: the fast path rejected a valid sequence")
+
+
+def _logprob_tuple(values: Any, name: str) -> tuple[float, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a sequence of floats, got {type(values).__name__}")
+    values = tuple(values)
+    # Fast path: plain Python numbers, and sum() is finite iff every entry is (log-probs are far
+    # from overflowing); anything else goes through the loop that names the offending position.
+    if set(map(type, values)) <= {float, int}:
+        out = tuple(map(float, values))
+        if not out or (math.isfinite(sum(out)) and max(out) <= _LOGPROB_ROUNDOFF):
+            return out
+    for i, lp in enumerate(values):
+        if not _is_real(lp) or not math.isfinite(lp) or lp > _LOGPROB_ROUNDOFF:
+            raise ValueError(f"{name}[{i}] must be a finite log-prob <= 0, got {lp!r}")
+    return tuple(float(v) for v in values)

@@ -1,0 +1,460 @@
+"""The local rollout engine: the actor's own Megatron model samples, with Megatron's static KV cache.
+
+The engine lives in the trainer's process and holds the very GPTModel the actor trains, so it
+always samples with the live weights: `update_weights(None, policy_version=v)` only records the
+version. It implements `RolloutEngine` (rollout/base.py) on CPU (gloo) and CUDA.
+
+How a call runs:
+1. Rows are the (prompt, sample_index) pairs. They are bucketed by prompt length and each bucket is
+   cut into batches of at most `max_batch_size` rows. Megatron's RoPE ignores position_ids
+   (positions are always 0..S-1) and the actor right-pads, so only prompts of EQUAL length share a
+   batch: then every row sees exactly the positions and keys the actor's forward sees, and
+   `rollout_log_probs` equal the actor's recomputed log-probs up to fp32 round-off.
+2. KV cache (`use_kv_cache=True`): one prefill forward with a `StaticInferenceContext`
+   (`runtime_gather_output=True`; the context materialises only the last position's logits),
+   then `increment_sequence_len_offset(P)`, `enable_decode_mode()` and one token per forward.
+   Without the cache every step re-runs the whole sequence (the reference path, and the
+   benchmark's baseline).
+3. Rows that finished keep being fed `pad_token_id` until their batch is done (their outputs are
+   ignored); a batch stops as soon as every row has finished.
+
+Sampling (the pure function `sample_next_tokens`): logits in fp32 divided by the temperature, then
+top-k, then top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
+With `SamplingParams.seed` set, row (prompt_id, j) draws from its own generator seeded with
+`derive_sample_seed(seed, prompt_id, j)`, so a sample does not depend on batching or on the order
+of the prompts. Temperature 0 is greedy (argmax, first index on ties).
+
+What `rollout_log_probs` hold: log softmax(logits / temperature)[token] of the UNFILTERED
+tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p). With top_p < 1
+or top_k > 0 that is not the probability the token was actually drawn with (the same convention as
+SGLang and vLLM). Greedy rows (temperature 0) report log softmax(logits)[token], temperature 1.
+
+Parallelism: pipeline parallelism is not supported (ValueError at construction). Under tensor
+parallelism every TP rank runs the same generation on logits gathered over TP; after each step
+the tokens, log-probs and abort flag are summed over the TP group with every rank but TP rank 0
+contributing zeros (a broadcast from rank 0 that is exact), so all TP ranks return identical
+samples even if their round-off differed, and an abort seen by any TP rank stops all of them at
+the same step. Sequence parallelism is switched off for the generation (a decode step has one
+token, which cannot be split over TP ranks) and restored afterwards, as Megatron's own
+text-generation controller does (text_generation_controller.py, `set_model_to_sequence_parallel`).
+MTP heads are switched off for the generation too: only the main head samples, and GPTModel's
+forward needs labels while MTP is on (gpt_model.py `labels.clone()`).
+
+CPU: the KV-cache decode needs only the process-wide shims of `models.cpu_compat` (curdev, rng).
+Forwards over more than one position build Megatron's default causal mask with device="cuda"
+(transformer/utils.get_default_causal_mask), so they run inside `CudaToCpuMode`; it is
+thread-local, so the engine enters it itself and works from any thread.
+
+Shape legend:
+    b  rows of one batch (one prompt length)    P  that prompt length
+    t  decode step, 0..max_new_tokens-1         V  vocabulary (logits gathered over TP)
+    logits [b, V] fp32; tokens, log_probs [b]; the KV cache of one layer [P + max_new_tokens, b, g, d]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.rollout.base import (
+    PromptInput,
+    RolloutEngine,
+    RolloutEngineError,
+    Sample,
+    SamplingParams,
+    check_generate_inputs,
+    derive_sample_seed,
+)
+
+__all__ = ["LocalEngine", "filter_logits", "sample_next_tokens"]
+
+# Module attributes that carry sequence parallelism (the list Megatron's own
+# transformer/utils.set_model_to_sequence_parallel walks).
+_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+# --------------------------------------------------------------------------------- sampling math
+
+
+def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
+    """z [b, V] -> z with the tokens outside top-k, then outside the top-p nucleus, set to -inf.
+
+    top_k = -1 keeps all (ties with the k-th value are kept). top_p keeps the smallest set of most
+    likely tokens whose probability reaches top_p: a token is removed when the probability of the
+    tokens before it (sorted descending) already exceeds top_p, so the most likely one always stays.
+    """
+    V = z.shape[-1]
+    if top_k != -1 and top_k < V:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        remove = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before > top_p)
+        z = z.masked_fill(remove, float("-inf"))
+    return z
+
+
+def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
+                       generators: Sequence[torch.Generator] | None = None) -> tuple[Tensor, Tensor]:
+    """One token per row: logits [b, V] -> (tokens [b] int64, log_probs [b] fp32).
+
+    temperature 0: argmax, log-prob under softmax(logits). Otherwise a draw from
+    softmax(filter_logits(logits / temperature)) by inverse CDF on one uniform per row (from
+    generators[i] for row i, or torch's default generator when None); the log-prob is that of the
+    unfiltered softmax(logits / temperature) (module docstring).
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    z = logits / temperature
+    log_probs = torch.log_softmax(z, dim=-1)
+    probs = filter_logits(z, top_k=top_k, top_p=top_p).softmax(dim=-1)
+    b, V = probs.shape
+    if generators is None:
+        u = torch.rand(b, device=probs.device)
+    else:
+        if len(generators) != b:
+            raise ValueError(f"sample_next_tokens: {len(generators)} generators for {b} rows")
+        u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
+    cdf = probs.cumsum(dim=-1)
+    # right=True: the first index whose cdf exceeds the draw, so zero-probability (filtered)
+    # tokens, whose cdf step is flat, can never be chosen; scaling by cdf[-1] absorbs round-off.
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    tokens = tokens.clamp(max=V - 1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------- engine
+
+
+class LocalEngine(RolloutEngine):
+    """Batched sampling with the actor's Megatron model (see the module docstring).
+
+    model: the GPTModel the actor trains, bare or wrapped (DDP / Float16Module); the engine runs
+    the unwrapped GPTModel and flips the wrapper between eval and its previous mode.
+    pgs: workers.parallel.ParallelGroups (pgs.tp, pgs.device). eos_token_id: ends a response
+    (None: only SamplingParams.stop_token_ids do, e.g. for benchmarks). pad_token_id: fed to rows
+    that finished. max_batch_size: rows per forward. use_kv_cache: False re-runs the whole
+    sequence every step (the reference path).
+    """
+
+    def __init__(self, model, *, pgs, eos_token_id: int | None, pad_token_id: int,
+                 max_batch_size: int = 64, use_kv_cache: bool = True, policy_version: int = 0):
+        if isinstance(model, (list, tuple)):
+            raise TypeError("LocalEngine takes one model, not a list of model chunks "
+                            "(virtual pipeline stages are not supported by the local engine)")
+        if pgs.pp_size > 1:
+            raise ValueError(
+                f"the local rollout engine does not support pipeline parallelism "
+                f"(parallel.pipeline_model_parallel_size={pgs.pp_size}); set "
+                "parallel.pipeline_model_parallel_size=1 or use rollout.engine=sglang")
+        self.model = model
+        self.inner = unwrap_model(model)
+        if not (self.inner.pre_process and self.inner.post_process):
+            raise ValueError("LocalEngine needs a model that holds both the embedding and the output layer")
+        self.pgs = pgs
+        self.vocab_size = int(self.inner.vocab_size)
+        self.max_sequence_length = int(self.inner.max_sequence_length)
+        if eos_token_id is not None:
+            _check_int(eos_token_id, "eos_token_id", 0, self.vocab_size - 1)
+        _check_int(pad_token_id, "pad_token_id", 0, self.vocab_size - 1)
+        _check_int(max_batch_size, "max_batch_size", 1, None)
+        _check_int(policy_version, "policy_version", 0, None)
+        if not isinstance(use_kv_cache, bool):
+            raise ValueError(f"LocalEngine use_kv_cache must be a bool, got {use_kv_cache!r}")
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.max_batch_size, self.use_kv_cache = max_batch_size, use_kv_cache
+        self.device = torch.device(pgs.device)
+        self._policy_version = policy_version
+        self._lock = threading.Lock()  # one generation (or weight update) at a time on the model
+        self._abort_event = threading.Event()  # replaced by abort(); generate calls keep theirs
+        self._memory_released = False
+        self._closed = False
+        self._generating = False
+
+    # ----------------------------------------------------------------------------- generation
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        check_generate_inputs(prompts, sampling)
+        if self._closed:
+            raise RolloutEngineError("LocalEngine is closed")
+        if self._memory_released:
+            raise RolloutEngineError("LocalEngine.generate after release_memory(); call resume_memory() first")
+        aborted = self._abort_event
+        for p in prompts:
+            self._check_prompt(p, sampling.max_new_tokens)
+        rows = [(p, j) for p in prompts for j in range(sampling.n)]
+        buckets: dict[int, list[int]] = {}
+        for r, (p, _) in enumerate(rows):
+            buckets.setdefault(len(p.token_ids), []).append(r)
+        stop_ids = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        out: list[Sample | None] = [None] * len(rows)
+        with self._lock, self._generation_mode():
+            self._generating = True
+            try:
+                version = self._policy_version
+                for members in buckets.values():
+                    for start in range(0, len(members), self.max_batch_size):
+                        batch = members[start:start + self.max_batch_size]
+                        results = self._generate_batch([rows[r] for r in batch], sampling, stop_ids, aborted)
+                        for r, (tokens, log_probs, reason) in zip(batch, results, strict=True):
+                            p, j = rows[r]
+                            out[r] = Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
+                                            response_token_ids=tokens, rollout_log_probs=log_probs,
+                                            finish_reason=reason, policy_version=version)
+            finally:
+                self._generating = False
+        return out  # type: ignore[return-value]  # every row was filled above
+
+    def _check_prompt(self, p: PromptInput, max_new_tokens: int) -> None:
+        bad = [t for t in p.token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {p.prompt_id!r}: token id {bad[0]} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size})")
+        total = len(p.token_ids) + max_new_tokens
+        if total > self.max_sequence_length:
+            raise ValueError(f"prompt {p.prompt_id!r}: {len(p.token_ids)} prompt tokens + max_new_tokens="
+                             f"{max_new_tokens} = {total} > the model's max_sequence_length={self.max_sequence_length}")
+
+    def _generate_batch(self, rows: list[tuple[PromptInput, int]], sampling: SamplingParams,
+                        stop_ids: set[int], aborted: threading.Event) -> list[tuple[list, list, str]]:
+        """Sample one batch of rows that share a prompt length; returns (tokens, log_probs, reason) per row."""
+        b, max_new = len(rows), sampling.max_new_tokens
+        if self._agree(aborted.is_set()):
+            return [([], [], "abort")] * b
+        dev = self.device
+        prompt = torch.tensor([p.token_ids for p, _ in rows], dtype=torch.long, device=dev)  # [b, P]
+        generators = None
+        if sampling.seed is not None and sampling.temperature > 0:
+            generators = [torch.Generator(device=dev).manual_seed(derive_sample_seed(sampling.seed, p.prompt_id, j))
+                          for p, j in rows]
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        tokens = torch.full((b, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        log_probs = torch.zeros((b, max_new), dtype=torch.float32, device=dev)
+        length = torch.zeros(b, dtype=torch.long, device=dev)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        step = _CachedStepper(self, prompt, max_new) if self.use_kv_cache else _FullStepper(self, prompt)
+        logits = step.prefill()
+        was_aborted = False
+        for t in range(max_new):
+            tok, lp = sample_next_tokens(logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                                         top_p=sampling.top_p, generators=generators)
+            tok, lp, was_aborted = self._sync_step(tok, lp, aborted.is_set())
+            live = ~done
+            tokens[:, t] = torch.where(live, tok, self.pad_token_id)
+            log_probs[:, t] = torch.where(live, lp, 0.0)
+            length += live.long()
+            hit = live & torch.isin(tok, stop)
+            stopped |= hit
+            done |= hit
+            if was_aborted or t == max_new - 1 or bool(done.all()):
+                break
+            logits = step.decode(tokens[:, t])
+        reasons = ["stop" if s else ("abort" if was_aborted and n < max_new else "length")
+                   for s, n in zip(stopped.tolist(), length.tolist())]
+        tokens_l, lps_l = tokens.tolist(), log_probs.tolist()
+        return [(tokens_l[i][:n], lps_l[i][:n], reasons[i]) for i, n in enumerate(length.tolist())]
+
+    # ------------------------------------------------------------------- tensor-parallel agreement
+
+    def _tp_multi(self) -> bool:
+        return self.pgs.tp_size > 1
+
+    def _agree(self, flag: bool) -> bool:
+        """True when any TP rank has the flag set (every TP rank gets the same answer)."""
+        if not self._tp_multi():
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pgs.tp)
+        return bool(t.item() > 0)
+
+    def _sync_step(self, tok: Tensor, lp: Tensor, abort_flag: bool) -> tuple[Tensor, Tensor, bool]:
+        """TP rank 0's tokens and log-probs on every TP rank, and "did any TP rank abort".
+
+        One float64 all-reduce: rank 0 contributes its values, the others zeros, so the sum is an
+        exact broadcast (token ids are far below 2^53); the abort flags simply add up.
+        """
+        if not self._tp_multi():
+            return tok, lp, abort_flag
+        b = tok.shape[0]
+        packed = torch.zeros(2 * b + 1, dtype=torch.float64, device=tok.device)
+        if self.pgs.tp_rank == 0:
+            packed[:b] = tok.double()
+            packed[b:2 * b] = lp.double()
+        packed[2 * b] = 1.0 if abort_flag else 0.0
+        dist.all_reduce(packed, group=self.pgs.tp)
+        return packed[:b].long(), packed[b:2 * b].float(), bool(packed[2 * b].item() > 0)
+
+    # ------------------------------------------------------------------------ model preparation
+
+    @contextlib.contextmanager
+    def _generation_mode(self):
+        """no_grad + eval, sequence parallelism and MTP heads off; everything restored on exit."""
+        inner, config = self.inner, self.inner.config
+        modes = [(m, m.training) for m in self.model.modules()]
+        sp_saved = [(m, a, getattr(m, a)) for m in inner.modules() for a in _SP_ATTRS if hasattr(m, a)]
+        sp_config, mtp_layers, mtp_process = config.sequence_parallel, config.mtp_num_layers, inner.mtp_process
+        try:
+            self.model.eval()
+            if sp_config:
+                config.sequence_parallel = False
+                for m, a, _ in sp_saved:
+                    setattr(m, a, False)
+            config.mtp_num_layers, inner.mtp_process = None, False
+            with torch.no_grad():
+                yield
+        finally:
+            config.sequence_parallel, config.mtp_num_layers, inner.mtp_process = sp_config, mtp_layers, mtp_process
+            for m, a, v in sp_saved:
+                setattr(m, a, v)
+            for m, training in modes:
+                m.training = training
+
+    def _multi_token_forward(self):
+        """Context for forwards over more than one position (module docstring, CPU)."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        from megatron_dapo.models.cpu_compat import CudaToCpuMode
+
+        return CudaToCpuMode()
+
+    def _positions(self, start: int, b: int, s: int) -> Tensor:
+        return torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)
+
+    # -------------------------------------------------------------------------------- control
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]] | None = None, *, policy_version: int,
+                       **kwargs: Any) -> None:
+        """None: the actor already changed the shared weights, only the version moves. Otherwise copy
+        each (name, tensor) into the parameter (or buffer) of that name of the unwrapped GPTModel,
+        in this rank's shard shape; a subset of the names (one bucket) is fine. `bucket_mb` is
+        accepted and ignored (nothing is serialized); any other keyword is an error."""
+        unknown = sorted(set(kwargs) - {"bucket_mb"})
+        if unknown:
+            raise TypeError(f"LocalEngine.update_weights got unexpected keyword arguments {unknown}")
+        if not isinstance(policy_version, int) or isinstance(policy_version, bool) \
+                or policy_version < self._policy_version:
+            raise ValueError(f"policy_version must be an int >= {self._policy_version} (current), "
+                             f"got {policy_version!r}")
+        with self._lock:
+            if named_tensors is not None:
+                self._copy_weights(named_tensors)
+            self._policy_version = policy_version
+
+    def _copy_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        targets = dict(self.inner.named_parameters())
+        targets.update(self.inner.named_buffers())
+        updates = []
+        for item in named_tensors:  # validate everything before touching any weight
+            name, tensor = item
+            if name not in targets:
+                near = sorted(targets)[:5]
+                raise ValueError(f"update_weights: {name!r} is not a parameter of the model "
+                                 f"(names look like {near}, ...)")
+            if not torch.is_tensor(tensor) or tuple(tensor.shape) != tuple(targets[name].shape):
+                got = tuple(tensor.shape) if torch.is_tensor(tensor) else type(tensor).__name__
+                raise ValueError(f"update_weights: {name!r} has shape {got}, the model's is "
+                                 f"{tuple(targets[name].shape)} (this rank's shard)")
+            updates.append((targets[name], tensor))
+        with torch.no_grad():
+            for target, tensor in updates:
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def abort(self) -> None:
+        """Generate calls in flight stop before their next decode step; unfinished samples come back
+        with finish_reason "abort" and the tokens sampled so far. Later calls run normally."""
+        old, self._abort_event = self._abort_event, threading.Event()
+        old.set()
+
+    def release_memory(self) -> None:
+        """The KV cache exists only inside generate and the weights are the actor's (they cannot be
+        freed here), so this returns the allocator's cached blocks on CUDA (torch.cuda.empty_cache)
+        and records the state: generate refuses to run until resume_memory(), as a real engine would."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._memory_released = True
+
+    def resume_memory(self) -> None:
+        """Nothing to re-allocate (the cache is built per batch); clears the released state."""
+        self._memory_released = False
+
+    def health(self) -> dict[str, Any]:
+        return {"healthy": not self._closed, "policy_version": self._policy_version,
+                "device": str(self.device), "use_kv_cache": self.use_kv_cache,
+                "memory_released": self._memory_released, "generating": self._generating}
+
+    def close(self) -> None:
+        self._closed = True
+        self.abort()
+
+
+class _CachedStepper:
+    """The KV-cache loop of one batch: Megatron's StaticInferenceContext sized [P + max_new, b]."""
+
+    def __init__(self, engine: LocalEngine, prompt: Tensor, max_new: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.engine, self.prompt = engine, prompt
+        b, P = prompt.shape
+        self.ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=P + max_new)
+
+    def prefill(self) -> Tensor:
+        e, (b, P) = self.engine, self.prompt.shape
+        with e._multi_token_forward():
+            out = e.inner(self.prompt, e._positions(0, b, P), None, inference_context=self.ctx,
+                          runtime_gather_output=True)              # [b, 1, V]: last position only
+        self.ctx.increment_sequence_len_offset(P)
+        self.ctx.enable_decode_mode()
+        return out[:, -1]
+
+    def decode(self, last: Tensor) -> Tensor:
+        e, offset = self.engine, self.ctx.sequence_len_offset
+        out = e.inner(last[:, None], e._positions(offset, last.shape[0], 1), None, inference_context=self.ctx,
+                      runtime_gather_output=True)                  # [b, 1, V]
+        self.ctx.increment_sequence_len_offset(1)
+        return out[:, -1]
+
+
+class _FullStepper:
+    """No cache: every step re-runs prompt + tokens so far and keeps the last position's logits."""
+
+    def __init__(self, engine: LocalEngine, prompt: Tensor):
+        self.engine, self.seq = engine, prompt
+
+    def _forward(self) -> Tensor:
+        e, (b, S) = self.engine, self.seq.shape
+        with e._multi_token_forward():
+            return e.inner(self.seq, e._positions(0, b, S), None, runtime_gather_output=True)[:, -1]
+
+    def prefill(self) -> Tensor:
+        return self._forward()
+
+    def decode(self, last: Tensor) -> Tensor:
+        self.seq = torch.cat([self.seq, last[:, None]], dim=1)
+        return self._forward()
+
+
+def _check_int(value: Any, name: str, lo: int, hi: int | None) -> None:
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) == value
+    except TypeError:
+        ok = False
+    if not ok or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"LocalEngine {name} must be an int {bound}, got {value!r}")

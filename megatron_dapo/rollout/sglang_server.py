@@ -1,0 +1,267 @@
+"""Launching SGLang servers: the command line, the process with its log file, and the health wait.
+
+A server is `python -m sglang.launch_server` with SGLang's documented flags (`--model-path`,
+`--host`, `--port`, `--tp-size`, `--mem-fraction-static`, `--dtype`, and for MTP models
+`--speculative-algorithm EAGLE|NEXTN`, `--speculative-num-steps`, `--speculative-eagle-topk`,
+`--speculative-num-draft-tokens`). Servers bind to loopback unless a cluster-internal address is
+given. `--enable-memory-saver` is required for /release_memory_occupation (colocation) and
+`--enable-deterministic-inference` for SGLang to honour per-request `sampling_seed`.
+
+Nothing here imports sglang: the server runs in its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
+
+
+@dataclass(frozen=True)
+class SGLangServerSpec:
+    """Everything `build_launch_command` puts on the command line of one server."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    """Loopback by default; a cluster-internal address when engines serve other nodes."""
+    tp_size: int = 1
+    mem_fraction_static: float = 0.85
+    dtype: str = "auto"
+    """SGLang --dtype: auto, bfloat16, float16, float32."""
+    base_gpu_id: int | None = None
+    """First GPU of this server (servers on one node use disjoint GPU ranges)."""
+    enable_memory_saver: bool = False
+    """Needed by /release_memory_occupation and /resume_memory_occupation (colocation)."""
+    deterministic_inference: bool = False
+    """SGLang honours sampling_seed only with --enable-deterministic-inference."""
+    speculative_algorithm: str | None = None
+    """None (off), "EAGLE" or "NEXTN" (MTP layers as the drafter)."""
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    """Appended verbatim (e.g. ("--trust-remote-code",))."""
+
+    def __post_init__(self):
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError(f"SGLangServerSpec.model_path must be a non-empty path, got {self.model_path!r}")
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"SGLangServerSpec.port must be in 1..65535, got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"SGLangServerSpec.host must be a non-empty address, got {self.host!r}")
+        if self.host in ("0.0.0.0", "::"):
+            # DESIGN.md: services bind to loopback or a cluster-internal address, never to all
+            # interfaces by default; an explicit address is how a user opts in to a network.
+            raise ValueError(
+                f"SGLangServerSpec.host {self.host!r} binds every interface; give a loopback or "
+                "cluster-internal address"
+            )
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"SGLangServerSpec.tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"SGLangServerSpec.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}"
+            )
+        if self.base_gpu_id is not None and (not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0):
+            raise ValueError(
+                f"SGLangServerSpec.base_gpu_id must be an int >= 0 or None, got {self.base_gpu_id!r}"
+            )
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(
+                    f"SGLangServerSpec.speculative_algorithm must be None or one of {SPECULATIVE_ALGORITHMS}, "
+                    f"got {self.speculative_algorithm!r}"
+                )
+            for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"SGLangServerSpec.{name} must be an int >= 1, got {v!r}")
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def build_launch_command(
+    spec: SGLangServerSpec, *, launcher: Sequence[str] = (sys.executable, "-m", "sglang.launch_server")
+) -> list[str]:
+    """The argv that starts one server; `launcher` replaces `python -m sglang.launch_server`."""
+    cmd = [
+        *launcher,
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(spec.tp_size),
+        "--mem-fraction-static",
+        repr(float(spec.mem_fraction_static)),
+        "--dtype",
+        spec.dtype,
+    ]
+    if spec.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
+    if spec.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if spec.deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if spec.speculative_algorithm is not None:
+        cmd += [
+            "--speculative-algorithm",
+            spec.speculative_algorithm,
+            "--speculative-num-steps",
+            str(spec.speculative_num_steps),
+            "--speculative-eagle-topk",
+            str(spec.speculative_eagle_topk),
+            "--speculative-num-draft-tokens",
+            str(spec.speculative_num_draft_tokens),
+        ]
+    cmd += list(spec.extra_args)
+    return cmd
+
+
+class ServerStartError(RuntimeError):
+    """A server process exited or never became healthy."""
+
+
+@dataclass
+class ServerProcess:
+    """A launched server: its process, URL and log file. `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+    command: list[str]
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-max_chars:]
+        except OSError as e:
+            return f"<log {self.log_path} unreadable: {e}>"
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """Terminate the server and the processes it spawned (SGLang runs its scheduler and
+        detokenizer as children), SIGTERM first, SIGKILL after `timeout_s`; return its exit code."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+        for child in children:  # the ones the server did not take down with it
+            try:
+                child.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(children, timeout=timeout_s)
+        for child in alive:
+            child.kill()
+        return self.process.returncode
+
+
+def launch_server(
+    command: Sequence[str], *, url: str, log_path: str | os.PathLike, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """Start `command` (from `build_launch_command`) with stdout and stderr in `log_path`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+        )
+    return ServerProcess(process=process, url=url, log_path=log_path, command=list(command))
+
+
+def wait_for_health(
+    url: str,
+    *,
+    timeout_s: float,
+    poll_interval_s: float = 1.0,
+    server: ServerProcess | None = None,
+    endpoint: str = "/health",
+) -> float:
+    """Poll `url + endpoint` until it answers 200; return the seconds waited.
+
+    Raises ServerStartError when `timeout_s` passes or `server` exits first (with its log tail).
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_error = "no answer yet"
+    while True:
+        if server is not None and not server.is_running():
+            raise ServerStartError(
+                f"SGLang server for {url} exited with code {server.process.returncode} before becoming "
+                f"healthy; log {server.log_path}:\n{server.log_tail()}"
+            )
+        try:
+            r = requests.get(url + endpoint, timeout=max(poll_interval_s, 1.0))
+            if r.status_code == 200:
+                return time.monotonic() - start
+            last_error = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last_error = f"{type(e).__name__}: {e}"
+        if time.monotonic() + poll_interval_s > deadline:
+            tail = f"; log {server.log_path}:\n{server.log_tail()}" if server is not None else ""
+            raise ServerStartError(
+                f"SGLang server {url}{endpoint} not healthy after {timeout_s:.0f} s (last: {last_error}){tail}"
+            )
+        time.sleep(poll_interval_s)
+
+
+def launch_servers(
+    specs: Sequence[SGLangServerSpec],
+    *,
+    log_dir: str | os.PathLike,
+    timeout_s: float,
+    launcher: Sequence[str] = (sys.executable, "-m", "sglang.launch_server"),
+    env: dict[str, str] | None = None,
+) -> list[ServerProcess]:
+    """Start every server (logs `log_dir/sglang_<port>.log`) and wait until all are healthy.
+
+    The servers load their weights in parallel; if one fails, all are stopped before the error
+    propagates, so a failed start leaves no process behind.
+    """
+    ports = [s.port for s in specs]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"launch_servers: ports must be distinct, got {ports}")
+    servers: list[ServerProcess] = []
+    try:
+        for spec in specs:
+            cmd = build_launch_command(spec, launcher=launcher)
+            log_path = Path(log_dir) / f"sglang_{spec.port}.log"
+            servers.append(launch_server(cmd, url=spec.url, log_path=log_path, env=env))
+        deadline = time.monotonic() + timeout_s
+        for server in servers:
+            wait_for_health(server.url, timeout_s=max(0.0, deadline - time.monotonic()), server=server)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

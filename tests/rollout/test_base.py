@@ -1,0 +1,202 @@
+"""The rollout contract: parameter validation, Sample checks, seeds, ordering, batch padding."""
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.base import (
+    PromptInput,
+    RolloutEngine,
+    RolloutEngineError,
+    Sample,
+    SamplingParams,
+    check_generate_inputs,
+    check_generate_output,
+    derive_sample_seed,
+    samples_to_batch,
+)
+
+
+def _sample(
+    pid="p0", j=0, prompt=(1, 2), resp=(5, 6), logps=(-0.5, -1.0), finish="stop", version=3, meta=None
+):
+    return Sample(
+        prompt_id=pid,
+        sample_index=j,
+        prompt_token_ids=prompt,
+        response_token_ids=resp,
+        rollout_log_probs=logps,
+        finish_reason=finish,
+        policy_version=version,
+        meta=meta or {},
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "n": 0}, "n"),
+        ({"max_new_tokens": 4, "temperature": -0.1}, "temperature"),
+        ({"max_new_tokens": 4, "temperature": float("inf")}, "temperature"),
+        ({"max_new_tokens": 4, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 4, "top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 4, "top_k": 0}, "top_k"),
+        ({"max_new_tokens": 4, "top_k": -2}, "top_k"),
+        ({"max_new_tokens": 4, "stop_token_ids": (1, -3)}, "stop_token_ids"),
+        ({"max_new_tokens": 4, "stop_token_ids": "12"}, "stop_token_ids"),
+        ({"max_new_tokens": 4, "seed": 1.5}, "seed"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+    ],
+)
+def test_sampling_params_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_stop_ids_become_a_tuple():
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=[2, 7])
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (1, 1.0, 1.0, -1, None)
+    assert sp.stop_token_ids == (2, 7)
+    assert SamplingParams(max_new_tokens=1, temperature=0.0, top_k=1).temperature == 0.0  # greedy is valid
+    with pytest.raises(TypeError):
+        SamplingParams(8)  # keyword-only: no silent positional mix-ups
+
+
+def test_prompt_input_requires_id_and_nonempty_int_tokens():
+    assert PromptInput("a", [3, 4]).token_ids == (3, 4)
+    with pytest.raises(ValueError, match="prompt_id"):
+        PromptInput("", (1,))
+    with pytest.raises(ValueError, match=r"token_ids is empty"):
+        PromptInput("a", ())
+    with pytest.raises(ValueError, match=r"token_ids\[1\]"):
+        PromptInput("a", (1, 2.0))
+
+
+def test_sample_rejects_length_mismatch_bad_logprob_and_finish_reason():
+    with pytest.raises(ValueError, match="rollout_log_probs has 1 entries, response_token_ids has 2"):
+        _sample(logps=(-0.5,))
+    with pytest.raises(ValueError, match=r"rollout_log_probs\[1\].*nan"):
+        _sample(logps=(-0.5, float("nan")))
+    with pytest.raises(ValueError, match=r"rollout_log_probs\[0\].*0.5"):
+        _sample(logps=(0.5, -1.0))
+    with pytest.raises(ValueError, match=r"rollout_log_probs\[1\].*None"):
+        _sample(logps=(-0.5, None))
+    with pytest.raises(ValueError, match="finish_reason"):
+        _sample(finish="eos")
+    with pytest.raises(ValueError, match=r"response_token_ids\[0\]"):
+        _sample(resp=(-1, 2))
+    with pytest.raises(ValueError, match="sample_index"):
+        _sample(j=-1)
+    s = _sample(resp=[5, 6], logps=[-0.5, -1])
+    assert s.response_token_ids == (5, 6) and s.rollout_log_probs == (-0.5, -1.0)
+
+
+def test_derive_sample_seed_is_stable_distinct_and_31_bit():
+    a = derive_sample_seed(7, "p0", 0)
+    assert a == derive_sample_seed(7, "p0", 0)
+    seeds = {derive_sample_seed(7, f"p{i}", j) for i in range(20) for j in range(8)}
+    assert len(seeds) == 160
+    assert all(0 <= s < 2**31 for s in seeds)
+    assert derive_sample_seed(8, "p0", 0) != a
+
+
+def test_check_generate_inputs_rejects_duplicate_prompt_ids():
+    sp = SamplingParams(max_new_tokens=2)
+    check_generate_inputs([PromptInput("a", (1,)), PromptInput("b", (1,))], sp)
+    with pytest.raises(ValueError, match=r"prompts\[1\]\.prompt_id 'a' is repeated"):
+        check_generate_inputs([PromptInput("a", (1,)), PromptInput("a", (2,))], sp)
+    with pytest.raises(TypeError, match=r"prompts\[0\]"):
+        check_generate_inputs([(1, 2)], sp)
+
+
+def test_check_generate_output_enforces_prompt_major_order():
+    prompts = [PromptInput("a", (1,)), PromptInput("b", (2,))]
+    sp = SamplingParams(max_new_tokens=2, n=2)
+    good = [_sample("a", 0), _sample("a", 1), _sample("b", 0), _sample("b", 1)]
+    check_generate_output(prompts, sp, good)
+    with pytest.raises(RolloutEngineError, match=r"row 1: .*\('a', 1\)"):
+        check_generate_output(prompts, sp, [good[0], good[2], good[1], good[3]])
+    with pytest.raises(RolloutEngineError, match="3 samples, expected 2 x 2"):
+        check_generate_output(prompts, sp, good[:3])
+
+
+def test_samples_to_batch_pads_right_and_masks_exactly():
+    samples = [
+        _sample(
+            "a", 0, prompt=(1, 2, 3), resp=(10, 11, 12), logps=(-0.1, -0.2, -0.3), finish="length", version=4
+        ),
+        _sample("a", 1, prompt=(1, 2, 3), resp=(13,), logps=(-0.4,), finish="stop", version=4),
+        _sample(
+            "b", 0, prompt=(7,), resp=(), logps=(), finish="abort", version=5, meta={"spec_verify_ct": 2}
+        ),
+    ]
+    b = samples_to_batch(samples, pad_id=0, max_response_length=4)
+    assert len(b) == 3
+    assert b.prompt_ids.tolist() == [[1, 2, 3], [1, 2, 3], [7, 0, 0]]
+    assert b.prompt_length.tolist() == [3, 3, 1]
+    assert b.responses.tolist() == [[10, 11, 12, 0], [13, 0, 0, 0], [0, 0, 0, 0]]
+    assert b.response_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert b.response_mask.dtype == torch.float32 and b.responses.dtype == torch.int64
+    assert b.rollout_log_probs.dtype == torch.float32
+    torch.testing.assert_close(
+        b.rollout_log_probs,
+        torch.tensor([[-0.1, -0.2, -0.3, 0.0], [-0.4, 0.0, 0.0, 0.0], [0.0] * 4]),
+        rtol=0,
+        atol=0,
+    )
+    assert b.response_length.tolist() == [3, 1, 0]
+    assert b.sample_index.tolist() == [0, 1, 0]
+    assert b.policy_version.tolist() == [4, 4, 5]
+    assert b.aborted.tolist() == [False, False, True]
+    assert b.finish_reason == ["length", "stop", "abort"]
+    assert b.index == ["a", "a", "b"]
+    assert b.meta == [{}, {}, {"spec_verify_ct": 2}]
+
+
+def test_samples_to_batch_uses_pad_id_and_rejects_overlong_and_empty():
+    b = samples_to_batch([_sample(resp=(5,), logps=(-1.0,))], pad_id=99, max_response_length=3)
+    assert b.responses.tolist() == [[5, 99, 99]]
+    with pytest.raises(
+        ValueError,
+        match=r"row 0 \(prompt_id='p0', sample_index=0\) has 2 response tokens > max_response_length=1",
+    ):
+        samples_to_batch([_sample()], pad_id=0, max_response_length=1)
+    with pytest.raises(ValueError, match="samples is empty"):
+        samples_to_batch([], pad_id=0, max_response_length=4)
+
+
+def test_rollout_engine_is_abstract_and_a_context_manager():
+    with pytest.raises(TypeError):
+        RolloutEngine()
+
+    class Minimal(RolloutEngine):
+        closed = False
+
+        def generate(self, prompts, sampling):
+            return []
+
+        def update_weights(self, named_tensors=None, *, policy_version, **kw):
+            pass
+
+        def abort(self):
+            pass
+
+        def release_memory(self):
+            pass
+
+        def resume_memory(self):
+            pass
+
+        def health(self):
+            return {"healthy": True, "policy_version": 0}
+
+        @property
+        def policy_version(self):
+            return 0
+
+        def close(self):
+            self.closed = True
+
+    with Minimal() as m:
+        assert m.health()["healthy"]
+    assert m.closed

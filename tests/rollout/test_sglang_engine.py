@@ -1,0 +1,276 @@
+"""SGLangEngine generation against the protocol server (a real HTTP server on 127.0.0.1)."""
+
+import threading
+import time
+
+import pytest
+
+from megatron_dapo.rollout.base import PromptInput, SamplingParams, check_generate_output, derive_sample_seed
+from megatron_dapo.rollout.sglang_engine import (
+    EngineReplyError,
+    EngineRequestError,
+    EngineTimeoutError,
+    SGLangEngine,
+    parse_generate_output,
+)
+
+from .sglang_protocol_server import ProtocolServer, toy_continuation
+
+PROMPTS = [PromptInput("p0", (3, 1, 4)), PromptInput("p1", (1, 5, 9, 2))]
+
+
+@pytest.fixture
+def server():
+    with ProtocolServer(max_lifetime_s=60) as s:
+        yield s
+
+
+def _engine(urls, **kw):
+    kw.setdefault("backoff_s", 0.01)
+    kw.setdefault("request_timeout_s", 10.0)
+    return SGLangEngine(urls if isinstance(urls, list) else [urls], **kw)
+
+
+def _expected(prompt, j, seed, max_new, stop=()):
+    return toy_continuation(
+        prompt.token_ids,
+        seed=derive_sample_seed(seed, prompt.prompt_id, j),
+        max_new_tokens=max_new,
+        stop_token_ids=stop,
+    )
+
+
+def _wait_until(pred, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_generate_returns_each_samples_tokens_and_logprobs_in_prompt_major_order(server):
+    sp = SamplingParams(max_new_tokens=6, n=3, seed=11, temperature=0.7, top_p=0.9, top_k=20)
+    with _engine(server.url, max_batch_size=4, policy_version=5) as eng:
+        samples = eng.generate(PROMPTS, sp)
+    check_generate_output(PROMPTS, sp, samples)
+    for s in samples:
+        prompt = PROMPTS[0] if s.prompt_id == "p0" else PROMPTS[1]
+        tokens, logps, _ = _expected(prompt, s.sample_index, 11, 6)
+        assert s.response_token_ids == tuple(tokens)
+        assert s.rollout_log_probs == tuple(logps)
+        assert s.prompt_token_ids == prompt.token_ids
+        assert (s.finish_reason, s.policy_version, s.meta) == ("length", 5, {})
+    # samples of one prompt differ: each carries its own sampling_seed
+    assert len({s.response_token_ids for s in samples[:3]}) == 3
+    bodies = sorted(server.state.bodies("/generate"), key=lambda b: b["rid"][0])  # arrival order varies
+    assert [len(b["input_ids"]) for b in bodies] == [4, 2]  # 6 items in batches of <= 4
+    first = bodies[0]
+    assert first["input_ids"] == [[3, 1, 4]] * 3 + [[1, 5, 9, 2]]
+    assert first["return_logprob"] is True and first["logprob_start_len"] == -1 and first["stream"] is False
+    assert first["sampling_params"][0] == {
+        "max_new_tokens": 6,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "sampling_seed": derive_sample_seed(11, "p0", 0),
+    }
+    assert len(set(first["rid"])) == 4
+
+
+def test_stop_token_ends_a_sample_with_stop_and_is_kept_while_others_hit_length(server):
+    free, _, _ = _expected(PROMPTS[0], 0, 3, 8)
+    k = next(i for i in range(1, 8) if free[i] not in free[:i])  # first position with a new token
+    sp = SamplingParams(max_new_tokens=8, n=1, seed=3, stop_token_ids=(free[k],))
+    with _engine(server.url) as eng:
+        s = eng.generate(PROMPTS[:1], sp)[0]
+    assert s.response_token_ids == tuple(free[: k + 1])
+    assert s.finish_reason == "stop"
+    assert len(s.rollout_log_probs) == k + 1
+    assert server.state.bodies("/generate")[0]["sampling_params"][0]["stop_token_ids"] == [free[k]]
+
+
+def test_concurrency_per_server_never_exceeds_the_limit(server):
+    server.state.delay_s = 0.1
+    sp = SamplingParams(max_new_tokens=2, n=2, seed=0)
+    prompts = [PromptInput(f"q{i}", (i + 1,)) for i in range(6)]
+    with _engine(server.url, max_concurrency=2, max_batch_size=2) as eng:
+        samples = eng.generate(prompts, sp)
+    assert len(samples) == 12
+    assert len(server.state.bodies("/generate")) == 6
+    assert server.state.generate_max_inflight == 2  # reached, never exceeded
+
+
+def test_requests_spread_over_servers_each_within_its_limit():
+    with ProtocolServer() as a, ProtocolServer() as b:
+        a.state.delay_s = b.state.delay_s = 0.1
+        prompts = [PromptInput(f"q{i}", (i + 1,)) for i in range(4)]
+        with _engine([a.url, b.url], max_concurrency=1, max_batch_size=1) as eng:
+            eng.generate(prompts, SamplingParams(max_new_tokens=2, seed=1))
+        assert len(a.state.bodies("/generate")) == 2 and len(b.state.bodies("/generate")) == 2
+        assert a.state.generate_max_inflight == 1 and b.state.generate_max_inflight == 1
+
+
+def test_transient_503s_are_retried_then_succeed(server):
+    server.state.fail_next = 2
+    with _engine(server.url, max_retries=3) as eng:
+        s = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=2))[0]
+    assert s.response_token_ids == tuple(_expected(PROMPTS[0], 0, 2, 3)[0])
+    assert server.state.paths().count("/generate") == 3
+
+
+def test_persistent_503s_fail_after_all_retries_naming_the_status(server):
+    server.state.fail_next = 10
+    with (
+        _engine(server.url, max_retries=2) as eng,
+        pytest.raises(EngineRequestError, match=r"after 3 attempts: HTTP 503"),
+    ):
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3))
+    assert server.state.paths().count("/generate") == 3
+
+
+def test_a_dead_server_fails_over_to_a_live_one(server):
+    with ProtocolServer() as dead:
+        dead_url = dead.url
+    with _engine([dead_url, server.url], max_retries=2) as eng:
+        s = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=4))[0]
+    assert s.finish_reason == "length"
+    with (
+        _engine([dead_url], max_retries=1) as eng,
+        pytest.raises(EngineRequestError, match="connection error"),
+    ):
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+
+
+def test_a_request_slower_than_the_timeout_raises_a_timeout_error(server):
+    server.state.delay_s = 3.0
+    start = time.monotonic()
+    with (
+        _engine(server.url, request_timeout_s=0.2, max_retries=0) as eng,
+        pytest.raises(EngineTimeoutError, match="timed out"),
+    ):
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_4xx_reply_is_not_retried(server):
+    server.state.fail_next, server.state.fail_status = 5, 400
+    with (
+        _engine(server.url, max_retries=3) as eng,
+        pytest.raises(EngineRequestError, match="HTTP 400: .*bad request"),
+    ):
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert server.state.paths().count("/generate") == 1
+
+
+def test_engine_payloads_pass_sglangs_strict_sampling_params(server):
+    # The server rejects unknown sampling keys with 400, as SGLang's SamplingParams(**params) does.
+    with _engine(server.url) as eng:
+        r = eng._session().post(
+            server.url + "/generate", json={"input_ids": [[1]], "sampling_params": [{"bogus": 1}]}
+        )
+        assert r.status_code == 400 and "bogus" in r.text
+        samples = eng.generate(PROMPTS, SamplingParams(max_new_tokens=2, n=2, seed=1, stop_token_ids=(5,)))
+    assert len(samples) == 4
+
+
+def test_abort_returns_partial_samples_and_skips_unsent_batches(server):
+    server.state.token_delay_s = 0.05  # 40 tokens would take 2 s
+    sp = SamplingParams(max_new_tokens=40, n=3, seed=9)
+    out = {}
+    with _engine(server.url, max_concurrency=1, max_batch_size=1) as eng:
+        t = threading.Thread(target=lambda: out.setdefault("samples", eng.generate(PROMPTS[:1], sp)))
+        start = time.monotonic()
+        t.start()
+        assert _wait_until(lambda: server.state.generate_inflight == 1)
+        time.sleep(0.2)  # a few tokens decoded
+        eng.abort()
+        t.join(timeout=5)
+        assert not t.is_alive() and time.monotonic() - start < 1.5
+        samples = out["samples"]
+        assert [s.finish_reason for s in samples] == ["abort"] * 3
+        first = samples[0]
+        full_tokens, full_logps, _ = _expected(PROMPTS[0], 0, 9, 40)
+        assert 0 < len(first.response_token_ids) < 40
+        n = len(first.response_token_ids)
+        assert first.response_token_ids == tuple(full_tokens[:n])
+        assert first.rollout_log_probs == tuple(full_logps[:n])
+        assert samples[1].response_token_ids == () and samples[2].response_token_ids == ()
+        assert server.state.paths().count("/generate") == 1  # the other two were never sent
+        assert server.state.bodies("/abort_request") == [{"abort_all": True}]
+        # an abort ends only the calls in flight: the next generate runs normally
+        server.state.token_delay_s = 0.0
+        again = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=9))
+        assert again[0].finish_reason == "length" and len(again[0].response_token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("logprobs_short", r"rid=\S+ \(prompt_id='p0', sample_index=0\): output_ids \(3 tokens\) disagree"),
+        ("finish_reason", r"prompt_id='p0'.*meta_info\.finish_reason must be"),
+        (
+            "output_ids",
+            r"output_ids \(4 tokens\) disagree with meta_info\.output_token_logprobs \(3 tokens\)",
+        ),
+        ("not_list", r"/generate batch \S+: expected a list of 2 results, got dict"),
+        ("spec_negative", r"meta_info\.spec_verify_ct must be an int >= 0, got -1"),
+    ],
+)
+def test_a_malformed_reply_raises_naming_the_request_and_field(server, mode, message):
+    server.state.malform = mode
+    with _engine(server.url) as eng, pytest.raises(EngineReplyError, match=message):
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_speculative_counts_are_parsed_into_sample_meta(server, legacy):
+    server.state.spec_num_draft_tokens = 4
+    server.state.spec_legacy_names = legacy
+    with _engine(server.url) as eng:
+        samples = eng.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=0))
+    for s in samples:  # toy server: verify = ceil(5/2) = 3, accepted = 5 - 3, proposed = 3 * (4 - 1)
+        assert s.meta == {"spec_draft_tokens": 9, "spec_accepted_tokens": 2, "spec_verify_ct": 3}
+
+
+def _item(tokens, finish="length", **meta):
+    m = {
+        "finish_reason": {"type": finish},
+        "output_token_logprobs": [[-0.1, t, None] for t in tokens],
+        "completion_tokens": len(tokens),
+        **meta,
+    }
+    return {"text": "", "output_ids": list(tokens), "meta_info": m}
+
+
+def test_parse_generate_output_checks_each_field():
+    ok = parse_generate_output(_item([4, 5]), request="R", max_new_tokens=2)
+    assert (ok.token_ids, ok.log_probs, ok.finish_reason, ok.meta) == ((4, 5), (-0.1, -0.1), "length", {})
+    no_lp = _item([4])
+    del no_lp["meta_info"]["output_token_logprobs"]
+    with pytest.raises(EngineReplyError, match="R: meta_info.output_token_logprobs missing"):
+        parse_generate_output(no_lp, request="R", max_new_tokens=4)
+    with pytest.raises(EngineReplyError, match=r"completion_tokens=3 but output_token_logprobs has 2"):
+        parse_generate_output(_item([4, 5], completion_tokens=3), request="R", max_new_tokens=4)
+    with pytest.raises(EngineReplyError, match=r"2 tokens > max_new_tokens=1"):
+        parse_generate_output(_item([4, 5]), request="R", max_new_tokens=1)
+    bad_lp = _item([4])
+    bad_lp["meta_info"]["output_token_logprobs"] = [[float("nan"), 4, None]]
+    with pytest.raises(EngineReplyError, match=r"output_token_logprobs\[0\] log-prob nan is not finite"):
+        parse_generate_output(bad_lp, request="R", max_new_tokens=4)
+    with pytest.raises(EngineReplyError, match="meta_info missing"):
+        parse_generate_output({"text": ""}, request="R", max_new_tokens=4)
+    aborted = {"meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 0}}
+    assert parse_generate_output(aborted, request="R", max_new_tokens=4).token_ids == ()
+
+
+def test_generate_validates_its_inputs(server):
+    with _engine(server.url) as eng:
+        with pytest.raises(ValueError, match="repeated"):
+            eng.generate([PROMPTS[0], PROMPTS[0]], SamplingParams(max_new_tokens=2))
+        with pytest.raises(TypeError, match="SamplingParams"):
+            eng.generate(PROMPTS, {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match="max_concurrency"):
+        SGLangEngine([server.url], max_concurrency=0)
+    with pytest.raises(ValueError, match="urls"):
+        SGLangEngine(server.url)
