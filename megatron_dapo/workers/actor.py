@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dapo.algos.kl import kl_penalty
-from megatron_dapo.algos.policy_loss import agg_loss
+from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
 from megatron_dapo.config.schema import ActorConfig
 from megatron_dapo.models.forward import _main_logits as main_logits
 from megatron_dapo.trainer.batch import PolicyBatch
@@ -205,7 +205,29 @@ class Actor:
         keys = history[0].keys()
         return {k: float(sum(float(h[k]) for h in history) / len(history)) for k in keys}
 
-    def _update_mini(self, batch: PolicyBatch, mini: list[int]) -> dict[str, Tensor]:
+    def supervised_step(self, batch: PolicyBatch, *, lr: float) -> dict[str, float]:
+        """One NLL step on all rows, outside the RL schedule (the supervised warm-up).
+
+        REINFORCE with advantages 1 is exactly the token-mean negative log-likelihood."""
+        saved = self.loss_fn
+        self.loss_fn = get_policy_loss_fn("reinforce")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for m in self.policy.chunks:
+            m.train()
+        try:
+            out = self._update_mini(batch, list(range(len(batch))), step_scheduler=False)
+        finally:
+            self.loss_fn = saved
+            self.scheduler.step(increment=0)  # restore the RL schedule's learning rate
+        return {k: float(v) for k, v in out.items()}
+
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam moments (after the warm-up, so RL starts from a fresh optimizer)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.optimizer.state.clear()
+
+    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, step_scheduler: bool = True) -> dict[str, Tensor]:
         mask = batch.response_mask[mini]
         denom = {"tokens": mask.sum().to(self.pgs.device),
                  "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
@@ -226,7 +248,8 @@ class Actor:
         loss_func = partial(self._loss_func, batch, totals, denom, len(mbs))
         self.policy.run(mbs, loss_func, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        if step_scheduler:
+            self.scheduler.step(increment=1)
         return self._reduce(totals, grad_norm, ok)
 
     def _reduce(self, totals: dict[str, Tensor], grad_norm, ok: bool) -> dict[str, Tensor]:

@@ -1,0 +1,153 @@
+"""Checkpoints: Megatron distributed checkpoint of model + optimizer, plus the trainer state.
+
+Layout under the checkpoint directory:
+    global_step_<k>/model/           megatron dist_checkpointing (model + optimizer, sharded per rank)
+    global_step_<k>/trainer_state.pt step, sampler, LR scheduler, KL controller, RNG (torch.save of
+                                     tensors / numbers / lists only: loaded with weights_only=True)
+    latest_checkpointed_iteration.txt
+    inflight.pt                      the dynamic-sampling buffer of the step in progress (see fit)
+
+A checkpoint is written into `tmp_global_step_<k>` and renamed into place when complete, and the
+`latest` file is replaced atomically after that: a crash mid-write never replaces the last good
+checkpoint. Only the newest `max_ckpt_to_keep` are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.models.forward import unwrap_model
+
+LATEST = "latest_checkpointed_iteration.txt"
+INFLIGHT = "inflight.pt"
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}")
+
+
+def latest_step(root: str) -> int | None:
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit() or not os.path.isdir(step_dir(root, int(text))):
+        raise RuntimeError(f"{path} names step {text!r} but {step_dir(root, int(text) if text.isdigit() else 0)} "
+                           "is missing: the checkpoint directory is damaged")
+    return int(text)
+
+
+def _sharded_state_dict(actor, *, is_loading: bool = False) -> dict:
+    chunks = actor.policy.chunks
+    model_sd = {}
+    for i, c in enumerate(chunks):
+        model_sd[f"model{i}" if len(chunks) > 1 else "model"] = unwrap_model(c).sharded_state_dict()
+    # is_loading: a fresh optimizer has no Adam state yet; Megatron then builds the template from
+    # initialised states, otherwise the loaded checkpoint would silently bring no moments.
+    opt_sd = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return {**model_sd, "optimizer": opt_sd}
+
+
+def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool) -> str:
+    """Write checkpoint `step` atomically; returns its directory."""
+    from megatron.core import dist_checkpointing
+
+    final, tmp = step_dir(root, step), os.path.join(root, f"tmp_global_step_{step}")
+    if is_rank0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "model"))
+    _barrier()
+    dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"))
+    if is_rank0:
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    _barrier()
+    if is_rank0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write_text(os.path.join(root, LATEST), str(step))
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root)
+                   if d.startswith("global_step_") and d.split("_")[-1].isdigit())
+    for s in steps[:-keep]:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+
+
+def load_checkpoint(path: str, *, actor) -> dict:
+    """Load model + optimizer into `actor` from a step directory; returns the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    prepare_distributed_optimizer_for_load(actor.optimizer)
+    state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), os.path.join(path, "model"))
+    chunks = actor.policy.chunks
+    for i, c in enumerate(chunks):
+        unwrap_model(c).load_state_dict(state[f"model{i}" if len(chunks) > 1 else "model"])
+    with torch.no_grad():  # fp32 distributed optimizer: main params are views of model params
+        actor.optimizer.load_state_dict(state["optimizer"])
+    fix_distributed_optimizer_step_after_load(actor.optimizer, state["optimizer"])
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def prepare_distributed_optimizer_for_load(opt) -> None:
+    """The distributed optimizer's load template needs optimizer state to exist (a fresh one has none)."""
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if hasattr(o, "_init_optimizer_states_with_dummy_values"):
+            o._init_optimizer_states_with_dummy_values()
+
+
+def fix_distributed_optimizer_step_after_load(opt, loaded: dict) -> None:
+    """torch's AdamW fallback shares one `step` tensor across params after a distributed-optimizer load,
+    so it would advance once per param: give each param its own step with the saved value (notes, item 5)."""
+    chained = getattr(opt, "chained_optimizers", [opt])
+    states = [loaded[k] for k in sorted(loaded)] if len(chained) > 1 else [loaded]
+    for o, s_ in zip(chained, states):
+        if hasattr(o, "_init_optimizer_states_with_dummy_values"):
+            step = float(s_["optimizer"]["param_groups"][0]["step"])
+            for s in o.optimizer.state.values():
+                s["step"] = torch.tensor(step)
+
+
+def save_inflight(root: str, state: dict) -> None:
+    os.makedirs(root, exist_ok=True)
+    _atomic_torch_save(state, os.path.join(root, INFLIGHT))
+
+
+def load_inflight(root: str) -> dict | None:
+    path = os.path.join(root, INFLIGHT)
+    return torch.load(path, weights_only=True) if os.path.exists(path) else None
+
+
+def clear_inflight(root: str) -> None:
+    path = os.path.join(root, INFLIGHT)
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

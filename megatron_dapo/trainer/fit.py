@@ -1,0 +1,261 @@
+"""The sync DAPO trainer: `fit` reads top to bottom, one named stage per timer (DESIGN.md).
+
+    gen + reward (+ dynamic sampling over generation batches) -> old_log_prob (or bypass)
+    -> ref -> values (no critic) -> adv -> update_critic (no critic) -> update_actor
+    -> weight sync -> metrics -> rollout dump -> validation -> checkpoint
+
+Data parallelism is SPMD: every rank generates and scores the same batch (the local engine is
+deterministic under per-sample seeds), and the actor splits rows over DP ranks. Only rank 0
+writes logs, dumps and the trainer state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dapo.config import Config, resolve_rollout_correction
+from megatron_dapo.metrics import (
+    StageTimer,
+    compute_data_metrics,
+    compute_spec_decode_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+    compute_variance_proxy_metrics,
+)
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.trainer import checkpoint as ckpt
+from megatron_dapo.trainer import stages
+from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
+from megatron_dapo.trainer.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerParts:
+    """Everything `fit` drives, built by `trainer/run.py` (or by a test with its own parts)."""
+
+    actor: object  # workers.actor.Actor
+    engine: object  # rollout.base.RolloutEngine
+    tokenizer: object
+    reward_manager: object
+    train_data: object  # data.dataset.PromptDataset
+    val_data: object | None
+    sampler: object  # data.sampler.ResumableSampler
+    logger: object  # metrics.logger.MetricsLogger (None on ranks > 0)
+    pgs: object
+    reference: object | None = None  # workers.actor.PolicyModel when a KL term is used
+    adv_fn: object = None
+    kl_ctrl: object | None = None
+    extra_state: dict = field(default_factory=dict)
+
+
+class DAPOTrainer:
+    def __init__(self, cfg: Config, parts: TrainerParts):
+        self.cfg, self.p = cfg, parts
+        self.rc = resolve_rollout_correction(cfg)
+        self.global_step = 0
+        self.is_rank0 = parts.pgs.rank == 0
+        fg = cfg.algorithm.filter_groups
+        self.buffer = GroupBuffer(enable=fg.enable, metric=fg.metric, max_num_gen_batches=fg.max_num_gen_batches,
+                                  on_exhausted=fg.on_exhausted, train_batch_size=cfg.data.train_batch_size,
+                                  n=cfg.rollout.n, ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                                  pad_id=parts.tokenizer.pad_id)
+        self.loss_history: list[tuple[int, float]] = []
+        self.last_val: dict[str, float] = {}
+
+    # ---------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.p
+        self._resume()
+        if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
+            self._log(self._validate(), step=0)
+        while self.global_step < cfg.trainer.total_training_steps:
+            step = self.global_step + 1
+            timer, t0 = StageTimer(), time.perf_counter()
+            batch, metrics = self._collect(step, timer)  # gen + reward + dynamic sampling
+            if batch is not None:
+                metrics.update(self._train_on(batch, step, timer))
+            p.engine.update_weights(None, policy_version=step)  # colocated: the engine shares the weights
+            self.global_step = step
+            timings = {**timer.timings_s, "step": time.perf_counter() - t0}
+            if batch is not None:
+                metrics.update(self._perf_metrics(batch, timings))
+                self._dump(batch, step)
+            if self._val_enabled() and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
+                metrics.update(self._validate())
+            self._log(metrics, step)
+            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or \
+                    step == cfg.trainer.total_training_steps:
+                self._save()
+        return self.last_val
+
+    # -- gen + reward + dynamic sampling -----------------------------------------------------------
+    def _collect(self, step: int, timer):
+        cfg, p = self.cfg, self.p
+        sampling = lambda k: SamplingParams(  # noqa: E731
+            max_new_tokens=cfg.data.max_response_length, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=(p.tokenizer.eos_id,),
+            seed=cfg.trainer.seed * 1_000_003 + step * 1009 + k)
+        while True:
+            k = self.buffer.num_gen_batches
+            records = [p.train_data[i] for i in p.sampler.next_batch()]
+            with timer("gen"):
+                rollout = stages.generate(p.engine, records, sampling(k), group_suffix=f"{step}.{k}",
+                                          pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length)
+            with timer("reward"):
+                scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
+                                      reward_manager=p.reward_manager)
+            self.buffer.add(scored)
+            if self.buffer.ready() or not self.buffer.check_budget():
+                break
+            self._save_inflight(step)  # a crash from here on resumes without regenerating these groups
+        batch, metrics = self.buffer.take()
+        ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
+        return batch, metrics
+
+    # -- old_log_prob, ref, adv, update --------------------------------------------------------------
+    def _train_on(self, batch, step: int, timer) -> dict[str, float]:
+        cfg, p, rc = self.cfg, self.p, self.rc
+        rb = batch.rollout
+        mask = stages.loss_mask(batch, overlong_filter=cfg.reward.overlong_filter,
+                                max_response_length=cfg.data.max_response_length)
+        seqs = (rb.prompt_ids, rb.prompt_length, rb.responses, rb.response_length)
+        metrics: dict[str, float] = {}
+        sum_sq = None
+        with timer("old_log_prob"):
+            if rc["bypass_mode"]:
+                old = rb.rollout_log_probs
+            else:
+                lp = p.actor.compute_log_prob(*seqs, with_sum_sq=True)
+                old, sum_sq = lp.log_probs, lp.sum_sq_probs
+                metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+        is_weights = None
+        if not rc["bypass_mode"] and (rc["rollout_is"] or rc["rollout_rs"]):
+            is_weights, mask, rc_metrics = stages.rollout_correction(old, rb.rollout_log_probs, mask, rc)
+            metrics.update(rc_metrics)
+        ref = None
+        with timer("ref"):
+            if p.reference is not None:
+                ref = p.reference.compute_log_prob(*seqs).log_probs
+        with timer("values"):
+            pass  # no critic: GRPO-family estimators need no values
+        with timer("adv"):
+            kl_in_reward = ({"kl_penalty": cfg.algorithm.kl_penalty, "controller": p.kl_ctrl}
+                            if cfg.algorithm.use_kl_in_reward else None)
+            adv = stages.compute_advantages(
+                batch, mask, adv_fn=p.adv_fn, estimator=cfg.algorithm.adv_estimator,
+                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam, kl_in_reward=kl_in_reward, old_log_probs=old, ref_log_probs=ref)
+            metrics.update(adv.metrics)
+        with timer("update_critic"):
+            pass  # no critic
+        if cfg.trainer.critic_warmup <= self.global_step:
+            pb = stages.policy_batch(batch, mask=mask, old_log_probs=old, advantages=adv.advantages,
+                                     ref_log_probs=ref if cfg.actor.use_kl_loss else None, is_weights=is_weights)
+            with timer("update_actor"):
+                actor_metrics = p.actor.update_policy(pb)
+            metrics.update(actor_metrics)
+            self.loss_history.append((step, actor_metrics["actor/pg_loss"]))
+            if sum_sq is not None:
+                metrics.update(compute_variance_proxy_metrics(
+                    old_log_probs=old, sum_sq_probs=sum_sq, response_mask=mask, advantages=adv.advantages,
+                    is_weights=is_weights, grad_norm=actor_metrics.get("actor/grad_norm")))
+        metrics.update(compute_data_metrics(
+            scores=batch.scores, rewards=batch.rewards, advantages=adv.advantages, returns=adv.returns,
+            response_mask=mask, response_length=rb.response_length, prompt_length=rb.prompt_length,
+            max_response_length=cfg.data.max_response_length, aborted=rb.aborted,
+            max_prompt_length=cfg.data.max_prompt_length))
+        metrics["critic/acc/mean"] = float(torch.tensor([float(a) for a in batch.extra["acc"]]).mean())
+        metrics["reward/num_errors"] = float(sum(bool(e) for e in batch.extra.get("error", [])))
+        metrics.update(compute_spec_decode_metrics(rb.meta))
+        return metrics
+
+    def _perf_metrics(self, batch, timings: dict[str, float]) -> dict[str, float]:
+        rb = batch.rollout
+        n_prompt, n_resp = int(rb.prompt_length.sum()), int(rb.response_length.sum())
+        out = compute_timing_metrics(timings_s=timings, num_prompt_tokens=n_prompt, num_response_tokens=n_resp)
+        out.update(compute_throughout_metrics(total_num_tokens=n_prompt + n_resp, time_per_step_s=timings["step"],
+                                              num_devices=self.p.pgs.world_size))
+        return out
+
+    # -- validation, logging, dumps ----------------------------------------------------------------
+    def _val_enabled(self) -> bool:
+        return self.cfg.trainer.test_freq > 0 and self.p.val_data is not None
+
+    def _validate(self) -> dict[str, float]:
+        self.last_val = validate(self.p.engine, self.p.val_data, self.cfg, tokenizer=self.p.tokenizer,
+                                 reward_manager=self.p.reward_manager, seed=self.cfg.trainer.seed + self.global_step)
+        return self.last_val
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.p.logger is not None:
+            self.p.logger.log(metrics, step=step)
+
+    def _dump(self, batch, step: int) -> None:
+        out_dir = self.cfg.trainer.rollout_data_dir
+        if not out_dir or not self.is_rank0:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        rb = batch.rollout
+        with open(os.path.join(out_dir, f"step_{step}.jsonl"), "w") as f:
+            for i in range(len(batch)):
+                f.write(json.dumps({
+                    "step": step, "prompt_uid": batch.extra["uid"][i], "group": rb.index[i],
+                    "sample_index": int(rb.sample_index[i]), "prompt": batch.raw_prompt[i],
+                    "response": batch.response_text[i], "ground_truth": batch.ground_truth[i],
+                    "score": float(batch.scores[i]), "reward": float(batch.rewards[i]),
+                    "acc": bool(batch.extra["acc"][i]), "finish_reason": rb.finish_reason[i]}) + "\n")
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "sampler": self.p.sampler.state_dict(),
+                "scheduler": self.p.actor.scheduler.state_dict(),
+                "kl_coef": float(self.p.kl_ctrl.value) if self.p.kl_ctrl is not None else 0.0,
+                "torch_rng": torch.get_rng_state(), "loss_history": [list(x) for x in self.loss_history]}
+
+    def _save(self) -> None:
+        ckpt.save_checkpoint(self.cfg.ckpt_dir, self.global_step, actor=self.p.actor,
+                             trainer_state=self._trainer_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
+                             is_rank0=self.is_rank0)
+
+    def _save_inflight(self, step: int) -> None:
+        if self.is_rank0:
+            ckpt.save_inflight(self.cfg.ckpt_dir, {"step": step, "buffer": self.buffer.state_dict(),
+                                                   "sampler": self.p.sampler.state_dict()})
+
+    def _resume(self) -> None:
+        mode, root = self.cfg.trainer.resume_mode, self.cfg.ckpt_dir
+        if mode == "disable":
+            return
+        path = None
+        if mode == "auto":
+            step = ckpt.latest_step(root)
+            path = ckpt.step_dir(root, step) if step is not None else None
+        else:
+            path = mode
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"trainer.resume_mode={mode!r}: no such checkpoint directory")
+        if path is not None:
+            state = ckpt.load_checkpoint(path, actor=self.p.actor)
+            self.global_step = int(state["global_step"])
+            self.p.sampler.load_state_dict(state["sampler"])
+            self.p.actor.scheduler.load_state_dict(state["scheduler"])
+            if self.p.kl_ctrl is not None:
+                self.p.kl_ctrl.value = float(state["kl_coef"])
+            torch.set_rng_state(state["torch_rng"])
+            self.loss_history = [(int(s), float(v)) for s, v in state["loss_history"]]
+            self.p.engine.update_weights(None, policy_version=self.global_step)
+            log.info("resumed from %s at step %d", path, self.global_step)
+        inflight = ckpt.load_inflight(root) if os.path.isdir(root) else None
+        if inflight is not None and int(inflight["step"]) == self.global_step + 1:
+            self.buffer.load_state_dict(inflight["buffer"])
+            self.p.sampler.load_state_dict(inflight["sampler"])
+            log.info("restored %d kept groups of step %d from %s", self.buffer.num_prompts, self.global_step + 1,
+                     ckpt.INFLIGHT)

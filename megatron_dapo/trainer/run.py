@@ -1,0 +1,125 @@
+"""Build every part from the config and run `fit`: the body of `python -m megatron_dapo.train`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from megatron_dapo.config import Config, to_yaml
+
+log = logging.getLogger("megatron_dapo")
+
+
+def _datasets(cfg: Config, tokenizer):
+    from megatron_dapo.data.arithmetic import make_arithmetic_dataset
+    from megatron_dapo.data.dataset import load_prompt_dataset
+
+    d = cfg.data
+    if d.task == "arithmetic":
+        a = d.arithmetic
+        kw = dict(seed=a.seed, min_digits=a.min_digits, max_digits=a.max_digits, operators=a.operators,
+                  tokenizer=tokenizer)
+        return (make_arithmetic_dataset("train", num_samples=a.num_train, **kw),
+                make_arithmetic_dataset("val", num_samples=a.num_val, **kw))
+    kw = dict(max_prompt_length=d.max_prompt_length, prompt_overflow=d.prompt_overflow, on_bad_row=d.on_bad_row,
+              apply_chat_template=d.apply_chat_template)
+    train = load_prompt_dataset(d.train_files, tokenizer, **kw)
+    val = load_prompt_dataset(d.val_files, tokenizer, uid_prefix="val", **kw) if d.val_files else None
+    return train, val
+
+
+def _engine(cfg: Config, actor, pgs, tokenizer):
+    if cfg.rollout.engine == "local":
+        from megatron_dapo.models.forward import unwrap_model
+        from megatron_dapo.rollout.local_engine import LocalEngine
+
+        if len(actor.policy.chunks) > 1:
+            raise ValueError("rollout.engine=local needs parallel.virtual_pipeline_model_parallel_size=null")
+        return LocalEngine(unwrap_model(actor.policy.chunks[0]), pgs=pgs, eos_token_id=tokenizer.eos_id,
+                           pad_token_id=tokenizer.pad_id)
+    raise NotImplementedError(
+        "rollout.engine=sglang is driven through launch/ (SGLang servers placed by Ray); the sync trainer "
+        "here runs the local engine. See README 'Rollout engines'.")
+
+
+def build_parts(cfg: Config):
+    from megatron_dapo.algos.advantage import get_adv_estimator_fn
+    from megatron_dapo.algos.kl import get_kl_controller
+    from megatron_dapo.data.sampler import ResumableSampler
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.metrics import MetricsLogger
+    from megatron_dapo.rewards.manager import RewardManager, get_reward_fn
+    from megatron_dapo.trainer.fit import TrainerParts
+    from megatron_dapo.workers.build import build_actor, build_reference
+    from megatron_dapo.workers.parallel import init_parallel
+
+    par = cfg.parallel
+    pgs = init_parallel(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                        ep=par.expert_model_parallel_size, cp=par.context_parallel_size,
+                        etp=par.expert_tensor_parallel_size, vpp=par.virtual_pipeline_model_parallel_size,
+                        seed=cfg.trainer.seed)
+    if pgs.world_size != cfg.trainer.world_size:
+        raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {cfg.trainer.world_size} but the job has "
+                         f"{pgs.world_size} processes")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    train, val = _datasets(cfg, tokenizer)
+    reward_name = cfg.reward.function if cfg.reward.function != "auto" else (
+        "arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")
+    ob = cfg.reward.overlong_buffer
+    rm = RewardManager(get_reward_fn(reward_name), max_response_length=cfg.data.max_response_length,
+                       overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
+                       overlong_penalty_factor=ob.penalty_factor, on_error=cfg.reward.on_error,
+                       error_score=cfg.reward.error_score, timeout_s=cfg.reward.timeout_s,
+                       num_workers=cfg.reward.num_workers)
+    actor = build_actor(cfg, pgs, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
+    sampler = ResumableSampler(len(train), cfg.data.effective_gen_batch_size, seed=cfg.data.seed,
+                               shuffle=cfg.data.shuffle)
+    kc = cfg.algorithm.kl_ctrl
+    kl_ctrl = (get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
+               if cfg.algorithm.use_kl_in_reward else None)
+    logger = None
+    if pgs.rank == 0:
+        logger = MetricsLogger(os.path.join(cfg.run_dir, "tb") if "tensorboard" in cfg.trainer.logger else None,
+                               backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps)
+    return TrainerParts(actor=actor, engine=_engine(cfg, actor, pgs, tokenizer), tokenizer=tokenizer,
+                        reward_manager=rm, train_data=train, val_data=val, sampler=sampler, logger=logger, pgs=pgs,
+                        adv_fn=get_adv_estimator_fn(cfg.algorithm.adv_estimator), kl_ctrl=kl_ctrl,
+                        reference=None)
+
+
+def run(cfg: Config) -> int:
+    from megatron_dapo.data.arithmetic import arithmetic_sft_examples
+    from megatron_dapo.trainer.fit import DAPOTrainer
+    from megatron_dapo.trainer.sft import sft_warmup
+    from megatron_dapo.workers.build import build_reference
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t0 = time.time()
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    parts = build_parts(cfg)
+    if cfg.trainer.sft_warmup_steps and cfg.data.task == "arithmetic":
+        m = sft_warmup(parts.actor, arithmetic_sft_examples(parts.train_data, parts.tokenizer), cfg,
+                       pad_id=parts.tokenizer.pad_id, rank=parts.pgs.rank)
+        log.info("supervised warm-up: %s", m)
+    if cfg.needs_reference:  # a frozen copy of the (warmed-up) initial policy
+        parts.reference = build_reference(cfg, parts.pgs, vocab_size=parts.tokenizer.vocab_size,
+                                          pad_id=parts.tokenizer.pad_id, actor=parts.actor)
+    trainer = DAPOTrainer(cfg, parts)
+    try:
+        val = trainer.fit()
+    finally:
+        parts.reward_manager.close()
+        if parts.logger is not None:
+            parts.logger.close()
+    if parts.pgs.rank == 0:
+        print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s")
+        for k, v in sorted(val.items()):
+            print(f"  {k} = {v:.4f}")
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(cfg.run_dir, 'tb')} --host 127.0.0.1")
+    torch.distributed.barrier() if torch.distributed.is_initialized() and parts.pgs.world_size > 1 else None
+    return 0

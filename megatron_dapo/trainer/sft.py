@@ -1,0 +1,74 @@
+"""A short supervised warm-up before RL (the embedded default uses it).
+
+A randomly initialised model never answers the arithmetic task right, so every group would have a
+constant accuracy and dynamic sampling would have nothing to keep. A few NLL steps on correct
+answers give a policy that is sometimes right. The warmed-up weights are cached in the run
+directory, keyed by everything that determines them, so a re-run skips the warm-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+
+import torch
+
+from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.trainer.batch import PolicyBatch
+
+log = logging.getLogger(__name__)
+
+
+def _cache_key(cfg, num_examples: int) -> str:
+    parts = {"model": cfg.model.__dict__, "parallel": cfg.parallel.__dict__, "data": cfg.data.arithmetic.__dict__,
+             "steps": cfg.trainer.sft_warmup_steps, "lr": cfg.trainer.sft_warmup_lr, "seed": cfg.trainer.seed,
+             "n": num_examples}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> PolicyBatch:
+    B = len(examples)
+    P = max(len(p) for p, _ in examples)
+    T = max(len(r) for _, r in examples)
+    prompt_ids = torch.full((B, P), pad_id, dtype=torch.long)
+    responses = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, (p, r) in enumerate(examples):
+        prompt_ids[i, :len(p)] = torch.tensor(p)
+        responses[i, :len(r)] = torch.tensor(r)
+    response_length = torch.tensor([len(r) for _, r in examples])
+    mask = (torch.arange(T)[None] < response_length[:, None]).float()
+    zeros = torch.zeros(B, T)
+    return PolicyBatch(prompt_ids=prompt_ids, prompt_length=torch.tensor([len(p) for p, _ in examples]),
+                       responses=responses, response_length=response_length, response_mask=mask,
+                       old_log_probs=zeros, advantages=mask.clone(), rollout_log_probs=zeros,
+                       index=[str(i) for i in range(B)])
+
+
+def sft_warmup(actor, examples, cfg, *, pad_id: int, rank: int, batch_size: int = 64) -> dict[str, float]:
+    """Run (or load from the cache) `trainer.sft_warmup_steps` NLL steps; returns the last step's metrics."""
+    steps = cfg.trainer.sft_warmup_steps
+    if steps <= 0:
+        return {}
+    cache_dir = os.path.join(cfg.run_dir, "sft_warmup", _cache_key(cfg, len(examples)))
+    path = os.path.join(cache_dir, f"model_rank{rank}.pt")
+    chunks = [unwrap_model(c) for c in actor.policy.chunks]
+    if os.path.exists(path):
+        state = torch.load(path, weights_only=True)
+        for i, c in enumerate(chunks):
+            c.load_state_dict(state[i])
+        log.info("supervised warm-up loaded from %s", path)
+        return {"sft/cached": 1.0}
+    rng = random.Random(cfg.trainer.seed)
+    metrics: dict[str, float] = {}
+    for _ in range(steps):
+        metrics = actor.supervised_step(_batch(rng.sample(examples, min(batch_size, len(examples))), pad_id),
+                                        lr=cfg.trainer.sft_warmup_lr)
+    actor.reset_optimizer_state()
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save([c.state_dict() for c in chunks], tmp)
+    os.replace(tmp, path)
+    return {"sft/nll": metrics.get("actor/pg_loss", 0.0)}  # REINFORCE with A = 1: the loss is the NLL

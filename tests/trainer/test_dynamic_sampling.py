@@ -1,0 +1,80 @@
+"""DAPO dynamic sampling across generation batches (GroupBuffer)."""
+
+import pytest
+import torch
+
+from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted, GroupBuffer
+from tests.trainer._batches import scored
+
+
+def buf(**kw):
+    args = dict(enable=True, metric="acc", max_num_gen_batches=3, on_exhausted="raise", train_batch_size=2, n=2,
+                ppo_mini_batch_size=1, pad_id=0)
+    args.update(kw)
+    return GroupBuffer(**args)
+
+
+def test_constant_groups_are_dropped_and_kept_groups_accumulate_across_batches():
+    b = buf()
+    b.add(scored({"a": [1, 1], "b": [0, 1], "c": [0, 0]}))  # only b is informative
+    assert b.num_prompts == 1 and not b.ready() and b.check_budget()
+    b.add(scored({"d": [1, 0], "e": [1, 0]}))
+    assert b.ready()
+    batch, m = b.take()
+    assert batch.rollout.index == ["b", "b", "d", "d"]  # trimmed to train_batch_size * n, first-seen order
+    assert m["train/num_gen_batches"] == 2.0 and m["train/num_kept_prompts"] == 3.0
+    assert m["train/num_dropped_groups"] == 2.0
+    assert b.num_gen_batches == 0 and b.num_prompts == 0  # reset for the next step
+
+
+def test_metric_seq_reward_uses_the_shaped_reward():
+    b = buf(metric="seq_reward")
+    b.add(scored({"a": [1, 1], "b": [0, 1]}))
+    assert b.num_prompts == 1
+
+
+def test_past_max_num_gen_batches_raises_a_named_error():
+    b = buf(max_num_gen_batches=2)
+    b.add(scored({"a": [1, 1]}))
+    assert b.check_budget()
+    b.add(scored({"b": [0, 0]}))
+    with pytest.raises(DynamicSamplingExhausted, match="max_num_gen_batches=2"):
+        b.check_budget()
+
+
+def test_non_positive_max_means_no_limit():
+    b = buf(max_num_gen_batches=0)
+    for _ in range(50):
+        b.add(scored({"a": [1, 1]}))
+        assert b.check_budget()
+
+
+def test_train_on_available_rounds_down_to_whole_mini_batches():
+    b = buf(on_exhausted="train_on_available", max_num_gen_batches=1, train_batch_size=4, ppo_mini_batch_size=2)
+    b.add(scored({"a": [1, 0], "b": [0, 1], "c": [1, 0], "d": [1, 1]}))  # 3 informative
+    assert not b.ready() and not b.check_budget()
+    batch, m = b.take()
+    assert batch.rollout.index == ["a", "a", "b", "b"] and m["train/num_train_prompts"] == 2.0
+
+
+def test_filtering_off_passes_the_batch_through():
+    b = buf(enable=False)
+    b.add(scored({"a": [1, 1], "b": [0, 0]}))
+    assert b.ready()
+    batch, _ = b.take()
+    assert len(batch) == 4
+
+
+def test_buffer_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    b = buf(train_batch_size=3)
+    b.add(scored({"a": [1, 0], "b": [1, 1]}))
+    b.add(scored({"c": [0, 1]}))
+    torch.save(b.state_dict(), tmp_path / "s.pt")
+    restored = buf(train_batch_size=3)
+    restored.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert (restored.num_gen_batches, restored.num_prompts) == (2, 2)
+    for x in (b, restored):
+        x.add(scored({"d": [0, 1]}))
+    (b1, _), (b2, _) = b.take(), restored.take()
+    assert b1.rollout.index == b2.rollout.index == ["a", "a", "c", "c", "d", "d"]
+    assert torch.equal(b1.rollout.responses, b2.rollout.responses) and b1.extra == b2.extra
