@@ -53,7 +53,7 @@ def build_parts(cfg: Config):
     from megatron_dapo.metrics import MetricsLogger
     from megatron_dapo.rewards.manager import RewardManager, get_reward_fn
     from megatron_dapo.trainer.fit import TrainerParts
-    from megatron_dapo.workers.build import build_actor, build_reference
+    from megatron_dapo.workers.build import build_actor
     from megatron_dapo.workers.parallel import init_parallel
 
     par = cfg.parallel

@@ -7,7 +7,15 @@ import torch
 from megatron_dapo.config import load_config
 from megatron_dapo.workers.build import build_actor
 from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
-from tests.workers._actor_cases import PAD, VOCAB, capture_grads, flat_params, overrides, policy_batch, random_batch
+from tests.workers._actor_cases import (
+    PAD,
+    VOCAB,
+    capture_grads,
+    flat_params,
+    overrides,
+    policy_batch,
+    random_batch,
+)
 
 
 def main(out_dir: str) -> None:

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from megatron_dapo.config import load_config
-from tests.workers._actor_cases import PAD, VOCAB, capture_grads, flat_params, overrides, policy_batch, random_batch
+from tests.workers._actor_cases import (
+    PAD,
+    VOCAB,
+    capture_grads,
+    flat_params,
+    overrides,
+    policy_batch,
+    random_batch,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
