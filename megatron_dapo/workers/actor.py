@@ -27,7 +27,7 @@ from torch import Tensor
 from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
 from megatron_dapo.config.schema import ActorConfig
-from megatron_dapo.models.forward import _main_logits as main_logits
+from megatron_dapo.models.forward import main_logits
 from megatron_dapo.trainer.batch import PolicyBatch
 from megatron_dapo.workers.logprob import logprob_entropy_from_logits
 from megatron_dapo.workers.microbatch import MicroBatch, make_microbatches, scatter_rows, to_response_aligned
