@@ -12,6 +12,7 @@ from megatron_dapo.config.schema import (
     DataConfig,
     ModelConfig,
     ParallelConfig,
+    QueueConfig,
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
@@ -38,6 +39,8 @@ class Config:
     """Advantages, KL, dynamic sampling, rollout correction."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop length, checkpoints, validation, logging, devices."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """The TransferQueue trainer and asynchronous rollout."""
 
     def __post_init__(self):
         _check_dynamic_sampling(self)

@@ -492,3 +492,26 @@ class TrainerConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+
+@dataclass
+class QueueConfig:
+    enable: bool = False
+    """Run the queue trainer (`_step_once` over the TransferQueue) instead of the sync `fit`."""
+    path: str = ""
+    """SQLite file of the TransferQueue; empty = <run_dir>/queue.sqlite."""
+    parameter_sync_step: int = 1
+    """Local actor updates (`_step_once` calls) between weight syncs to the engines."""
+    max_staleness: int = 0
+    """How many policy versions producers may run ahead of the trainer (0 = on-policy; the issue's async.max_staleness)."""
+    stale_policy: Literal["drop", "correct"] = "drop"
+    """Samples older than max_staleness: drop (and regenerate their prompts) or keep them with rollout correction."""
+    partial_rollout: bool = False
+    """Abort in-flight generation at a weight sync and continue it with the new weights."""
+    num_producers: int = 1
+    """Rollout producer workers writing into the queue."""
+
+    def __post_init__(self):
+        _check(self.parameter_sync_step >= 1, "queue.parameter_sync_step", ">= 1", self.parameter_sync_step)
+        _check(self.max_staleness >= 0, "queue.max_staleness", ">= 0", self.max_staleness)
+        _check(self.num_producers >= 1, "queue.num_producers", ">= 1", self.num_producers)
