@@ -143,8 +143,8 @@ class ParallelConfig:
     """Tensor parallel size inside experts; None = tensor_model_parallel_size."""
     context_parallel_size: int = 1
     """Context parallel size (long sequences). [recipe: actor_rollout_ref.actor.megatron.context_parallel_size]"""
-    sequence_parallel: bool = False
-    """Sequence parallelism with TP (required for MoE with TP > 1)."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism with TP; None = on whenever TP > 1 (Megatron requires it for MoE with TP > 1)."""
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -334,6 +334,15 @@ class LocalEngine(RolloutEngine):
 
         return CudaToCpuMode()
 
+    def _single_token_forward(self):
+        """Context for the one-token decode forwards: on CPU, torch-function modes off.
+
+        The decode step needs no CudaToCpuMode (only the process-wide shims), but a thread that ran
+        cpu_compat.install() has one entered, and its Python hook on every tiny op cost ~20% of
+        decode time (b8 x 64 steps, hidden 256, 1 thread: 0.68 s -> 0.55 s, interleaved runs).
+        """
+        return torch._C.DisableTorchFunction() if self.device.type == "cpu" else contextlib.nullcontext()
+
     def _positions(self, start: int, b: int, s: int) -> Tensor:
         return torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)
 
@@ -425,8 +434,9 @@ class _CachedStepper:
 
     def decode(self, last: Tensor) -> Tensor:
         e, offset = self.engine, self.ctx.sequence_len_offset
-        out = e.inner(last[:, None], e._positions(offset, last.shape[0], 1), None, inference_context=self.ctx,
-                      runtime_gather_output=True)                  # [b, 1, V]
+        with e._single_token_forward():
+            out = e.inner(last[:, None], e._positions(offset, last.shape[0], 1), None, inference_context=self.ctx,
+                          runtime_gather_output=True)              # [b, 1, V]
         self.ctx.increment_sequence_len_offset(1)
         return out[:, -1]
 

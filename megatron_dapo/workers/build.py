@@ -53,7 +53,7 @@ def build_model_chunks(cfg: Config, arch: ModelArch, pgs, *, seed: int) -> list:
     from megatron_dapo.models.builder import build_gpt_model_chunks
 
     chunks = build_gpt_model_chunks(arch, pgs=pgs, seed=seed, params_dtype=_DTYPES[cfg.model.params_dtype],
-                                    sequence_parallel=cfg.parallel.sequence_parallel or None,
+                                    sequence_parallel=cfg.parallel.sequence_parallel,
                                     config_overrides=_config_overrides(cfg))
     if cfg.model.hf_path:
         from megatron_dapo.models.hf import load_hf_weights_into

@@ -1,0 +1,376 @@
+"""The local rollout engine: the actor's Megatron model sampling with a KV cache.
+
+Invariants: rollout log-probs equal the actor's recomputed log-probs (the trainer's first-step
+ppo_kl = 0), cached == uncached generation, seeded samples independent of batching, EOS / stop /
+max_new_tokens / abort semantics, the ordering contract, weight updates, TP=2 == TP=1.
+
+Also a torchrun script: `python -m torch.distributed.run --nproc_per_node 2 <this file> OUT_DIR`
+runs the TP=2 half of test_tp2_ranks_agree_and_equal_tp1.
+"""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from megatron_dapo.config import load_config
+from megatron_dapo.rollout.base import (
+    PromptInput,
+    RolloutEngineError,
+    SamplingParams,
+    check_generate_output,
+    samples_to_batch,
+)
+from megatron_dapo.rollout.local_engine import LocalEngine, filter_logits, sample_next_tokens
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VOCAB, PAD, EOS = 16, 0, 1
+# Two prompt lengths interleaved (3, 5, 3, 2, 5): several buckets, order kept in the output.
+PROMPTS = [PromptInput("a", (3, 4, 5)), PromptInput("b", (6, 7, 8, 9, 10)), PromptInput("c", (2, 3, 4)),
+           PromptInput("d", (5, 6)), PromptInput("e", (11, 12, 13, 14, 15))]
+TP_SAMPLING = SamplingParams(max_new_tokens=6, n=2, temperature=1.0, seed=4)
+
+
+def config_overrides(**extra) -> list[str]:
+    base = {"actor.ppo_mini_batch_size": 2, "rollout.n": 2, "data.train_batch_size": 4, "data.gen_batch_size": 4}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def make_actor(pgs, **extra):
+    from megatron_dapo.workers.build import build_actor
+
+    return build_actor(load_config("configs/tiny_cpu.yaml", config_overrides(**extra)), pgs,
+                       vocab_size=VOCAB, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    from megatron_dapo.workers.parallel import init_parallel
+
+    return init_parallel()
+
+
+@pytest.fixture(scope="module")
+def actor(pgs):
+    return make_actor(pgs)
+
+
+def bare(actor):
+    from megatron_dapo.models.forward import unwrap_model
+
+    return unwrap_model(actor.policy.chunks[0])
+
+
+def engine(model, pgs, **kw):
+    kw.setdefault("eos_token_id", EOS)
+    return LocalEngine(model, pgs=pgs, pad_token_id=PAD, **kw)
+
+
+def actor_log_probs(actor, samples, width):
+    batch = samples_to_batch(samples, pad_id=PAD, max_response_length=width)
+    lp = actor.policy.compute_log_prob(batch.prompt_ids, batch.prompt_length, batch.responses,
+                                       batch.response_length).log_probs
+    return batch, lp * batch.response_mask
+
+
+def by_key(samples):
+    return {(s.prompt_id, s.sample_index): s for s in samples}
+
+
+# ------------------------------------------------------------------------------ the invariants
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_rollout_log_probs_equal_actor_log_probs(pgs, temperature, use_kv_cache):
+    """fp32, same weights, temperature T, top_p 1: the engine's log-probs are the actor's (atol 1e-5)."""
+    actor = make_actor(pgs, **{"rollout.temperature": temperature})
+    sampling = SamplingParams(max_new_tokens=6, n=2, temperature=temperature, seed=11)
+    samples = engine(bare(actor), pgs, use_kv_cache=use_kv_cache).generate(PROMPTS, sampling)
+    batch, ref = actor_log_probs(actor, samples, 6)
+    assert int(batch.response_length.max()) > 1 and len(set(batch.prompt_length.tolist())) == 3
+    torch.testing.assert_close(batch.rollout_log_probs, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [{"model.mtp_num_layers": 1}, {"model.arch": "tiny_moe"}],
+                         ids=["mtp", "moe"])
+def test_mtp_and_moe_models_sample_with_the_main_head_at_actor_log_probs(pgs, variant):
+    """MTP heads are off while sampling (restored after); MoE routing runs in the cached decode."""
+    actor = make_actor(pgs, **variant)
+    sampling = SamplingParams(max_new_tokens=5, n=2, temperature=1.0, seed=2)
+    samples = engine(bare(actor), pgs).generate(PROMPTS, sampling)
+    assert bare(actor).config.mtp_num_layers == variant.get("model.mtp_num_layers")
+    batch, ref = actor_log_probs(actor, samples, 5)  # the actor's MTP forward needs mtp_num_layers back
+    torch.testing.assert_close(batch.rollout_log_probs, ref, atol=1e-5, rtol=0)
+    full = engine(bare(actor), pgs, use_kv_cache=False).generate(PROMPTS, sampling)
+    assert [s.response_token_ids for s in full] == [s.response_token_ids for s in samples]
+
+
+def test_kv_cache_and_full_forward_sample_identical_tokens(pgs, actor):
+    for sampling in (SamplingParams(max_new_tokens=8, n=1, temperature=0.0),
+                     SamplingParams(max_new_tokens=8, n=3, temperature=1.0, top_k=5, top_p=0.9, seed=3)):
+        cached = engine(bare(actor), pgs).generate(PROMPTS, sampling)
+        full = engine(bare(actor), pgs, use_kv_cache=False).generate(PROMPTS, sampling)
+        assert [s.response_token_ids for s in cached] == [s.response_token_ids for s in full]
+        assert [s.finish_reason for s in cached] == [s.finish_reason for s in full]
+        for c, f in zip(cached, full):
+            torch.testing.assert_close(torch.tensor(c.rollout_log_probs), torch.tensor(f.rollout_log_probs),
+                                       atol=1e-5, rtol=0)
+
+
+def test_seeded_samples_do_not_depend_on_batching_or_prompt_order(pgs, actor):
+    sampling = SamplingParams(max_new_tokens=6, n=3, temperature=1.0, seed=5)
+    wide = engine(bare(actor), pgs).generate(PROMPTS, sampling)
+    narrow = engine(bare(actor), pgs, max_batch_size=1).generate(PROMPTS[::-1], sampling)
+    again = engine(bare(actor), pgs).generate(PROMPTS, sampling)
+    assert wide == again  # same seed, same batching: bit-identical samples
+    narrow_by_key = by_key(narrow)
+    for s in wide:
+        other = narrow_by_key[(s.prompt_id, s.sample_index)]
+        assert s.response_token_ids == other.response_token_ids
+        torch.testing.assert_close(torch.tensor(s.rollout_log_probs), torch.tensor(other.rollout_log_probs),
+                                   atol=1e-5, rtol=0)
+    # The n samples of a prompt use different seeds, and another base seed gives other samples.
+    assert len({s.response_token_ids for s in wide}) > len(PROMPTS)
+    reseeded = engine(bare(actor), pgs).generate(PROMPTS, dataclasses.replace(sampling, seed=6))
+    assert [s.response_token_ids for s in reseeded] != [s.response_token_ids for s in wide]
+
+
+def test_generation_on_the_ddp_model_restores_train_mode_and_sequence_settings(pgs, actor):
+    ddp = actor.policy.chunks[0]
+    ddp.train()
+    config = bare(actor).config
+    before = (config.sequence_parallel, config.mtp_num_layers)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    out = engine(ddp, pgs).generate(PROMPTS, greedy)
+    assert all(m.training for m in ddp.modules())
+    assert (config.sequence_parallel, config.mtp_num_layers) == before
+    assert out == engine(bare(actor), pgs).generate(PROMPTS, greedy)
+
+
+# ------------------------------------------------------------------- stop, length, ordering
+
+
+def greedy_reference(pgs, actor, max_new=8):
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+    return [s.response_token_ids for s in engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, sampling)]
+
+
+def test_max_new_tokens_gives_finish_reason_length_and_a_greedy_prefix(pgs, actor):
+    ref = greedy_reference(pgs, actor, max_new=8)
+    short = engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, SamplingParams(max_new_tokens=5,
+                                                                                         temperature=0.0))
+    assert [s.finish_reason for s in short] == ["length"] * len(PROMPTS)
+    assert [s.response_token_ids for s in short] == [r[:5] for r in ref]
+
+
+def test_stop_token_and_eos_end_the_response_inclusively(pgs, actor):
+    ref = greedy_reference(pgs, actor)
+    stop = ref[0][3]  # a token prompt "a" produces greedily at step 3 (or earlier)
+
+    def expected(r):
+        return (r[:r.index(stop) + 1], "stop") if stop in r else (r, "length")
+
+    want = [expected(r) for r in ref]
+    assert want[0][1] == "stop" and any(len(w[0]) < 8 for w in want)
+    via_stop_ids = engine(bare(actor), pgs, eos_token_id=None).generate(
+        PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+    via_eos = engine(bare(actor), pgs, eos_token_id=stop).generate(PROMPTS, SamplingParams(max_new_tokens=8,
+                                                                                           temperature=0.0))
+    for got in (via_stop_ids, via_eos):
+        assert [(s.response_token_ids, s.finish_reason) for s in got] == want
+
+
+def test_output_follows_the_ordering_contract(pgs, actor):
+    sampling = SamplingParams(max_new_tokens=3, n=3, temperature=1.0, seed=0)
+    eng = engine(bare(actor), pgs, max_batch_size=4, policy_version=7)
+    samples = eng.generate(PROMPTS, sampling)
+    check_generate_output(PROMPTS, sampling, samples)
+    assert [s.prompt_token_ids for s in samples] == [p.token_ids for p in PROMPTS for _ in range(3)]
+    assert {s.policy_version for s in samples} == {7}
+    assert eng.generate([], sampling) == []
+
+
+# -------------------------------------------------------------------------------- control
+
+
+def test_abort_from_another_thread_returns_partial_abort_samples(pgs, actor):
+    """Abort lands while the 3rd forward runs: the batch stops after 3 tokens, later buckets are empty.
+
+    The generating thread never entered CudaToCpuMode: the engine handles the thread-local mode itself."""
+    eng = engine(bare(actor), pgs, eos_token_id=None)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # lengths 3, 3, 2: two batches
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0)
+    ref = {s.prompt_id: s.response_token_ids for s in eng.generate(prompts, sampling)}
+    calls, reached, resume = [0], threading.Event(), threading.Event()
+
+    def hook(module, args, output):
+        calls[0] += 1
+        if calls[0] == 3:
+            reached.set()
+            assert resume.wait(30)
+
+    handle = eng.inner.register_forward_hook(hook)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("samples", eng.generate(prompts, sampling)))
+    try:
+        worker.start()
+        assert reached.wait(30)
+        eng.abort()
+        resume.set()
+        worker.join(30)
+    finally:
+        handle.remove()
+    samples = result["samples"]
+    assert [s.finish_reason for s in samples] == ["abort"] * 3
+    assert [s.response_token_ids for s in samples] == [ref["a"][:3], ref["c"][:3], ()]
+    after = eng.generate(prompts, sampling)  # abort hits only the calls in flight
+    assert [s.finish_reason for s in after] == ["length"] * 3
+
+
+def test_update_weights_copies_by_name_and_sets_the_version(pgs, actor):
+    from megatron_dapo.models.builder import build_gpt_model
+    from megatron_dapo.workers.build import model_arch
+
+    arch = model_arch(load_config("configs/tiny_cpu.yaml", config_overrides()), vocab_size=VOCAB)
+    target, source = build_gpt_model(arch, pgs=pgs, seed=1), build_gpt_model(arch, pgs=pgs, seed=2)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    want = [s.response_token_ids for s in engine(source, pgs).generate(PROMPTS, greedy)]
+    eng = engine(target, pgs)
+    assert [s.response_token_ids for s in eng.generate(PROMPTS, greedy)] != want
+
+    name, param = next(iter(target.named_parameters()))
+    before = param.detach().clone()
+    with pytest.raises(ValueError, match="'nope' is not a parameter"):
+        eng.update_weights([(name, param + 1), ("nope", param)], policy_version=1)
+    with pytest.raises(ValueError, match=f"{name!r} has shape"):
+        eng.update_weights([(name, param[:1])], policy_version=1)
+    assert torch.equal(param, before) and eng.policy_version == 0  # nothing applied on error
+
+    eng.update_weights(list(source.named_parameters()), policy_version=3, bucket_mb=64)
+    out = eng.generate(PROMPTS, greedy)
+    assert [s.response_token_ids for s in out] == want and {s.policy_version for s in out} == {3}
+    eng.update_weights(None, policy_version=4)
+    assert eng.policy_version == 4 and eng.health()["policy_version"] == 4
+    assert eng.generate(PROMPTS[:1], greedy)[0].policy_version == 4
+    with pytest.raises(ValueError, match="policy_version must be an int >= 4"):
+        eng.update_weights(None, policy_version=2)
+    with pytest.raises(TypeError, match="model_path"):
+        eng.update_weights(None, policy_version=5, model_path="/x")
+
+
+def test_pipeline_parallel_is_rejected_with_the_config_key(pgs, actor):
+    with pytest.raises(ValueError, match=r"parallel\.pipeline_model_parallel_size=2.*rollout\.engine=sglang"):
+        engine(bare(actor), dataclasses.replace(pgs, pp_size=2))
+
+
+def test_bad_inputs_and_states_are_named_errors(pgs, actor):
+    eng = engine(bare(actor), pgs)
+    sampling = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 'x': token id 16 is outside the model's vocabulary \[0, 16\)"):
+        eng.generate([PromptInput("x", (1, 16))], sampling)
+    with pytest.raises(ValueError, match="prompt 'y': 3 prompt tokens \\+ max_new_tokens=1022 = 1025 > the model's "
+                                         "max_sequence_length=1024"):
+        eng.generate([PromptInput("y", (1, 2, 3))], SamplingParams(max_new_tokens=1022))
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int in \[0, 15\], got 16"):
+        engine(bare(actor), pgs, eos_token_id=16)
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+        engine(bare(actor), pgs, max_batch_size=0)
+    eng.release_memory()
+    assert eng.health()["memory_released"] is True
+    with pytest.raises(RolloutEngineError, match="resume_memory"):
+        eng.generate(PROMPTS, sampling)
+    eng.resume_memory()
+    assert len(eng.generate(PROMPTS, sampling)) == len(PROMPTS)
+    eng.close()
+    assert eng.health()["healthy"] is False
+    with pytest.raises(RolloutEngineError, match="closed"):
+        eng.generate(PROMPTS, sampling)
+
+
+# ------------------------------------------------------------------------------- sampling math
+
+
+def test_filter_logits_keeps_top_k_then_the_top_p_nucleus():
+    z = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()  # probabilities 0.5, 0.3, 0.2, 0
+    inf = float("-inf")
+    assert filter_logits(z, top_k=2, top_p=1.0).exp()[0].tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+    # mass before each token: 0, 0.5, 0.8 -> top_p 0.6 removes the token after 0.8 > 0.6
+    assert filter_logits(z, top_k=-1, top_p=0.6).isinf().tolist() == [[False, False, True, True]]
+    # top_p 0.4 < 0.5: only the most likely token stays
+    assert filter_logits(z, top_k=-1, top_p=0.4).tolist()[0][1:] == [inf, inf, inf]
+
+
+def test_greedy_picks_argmax_and_reports_the_temperature_1_log_prob():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    tokens, lp = sample_next_tokens(logits, temperature=0.0)
+    assert tokens.tolist() == [1, 2]
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
+
+
+def test_sampling_frequencies_match_the_filtered_distribution_and_log_probs_the_unfiltered_one():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(4000, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    tokens, lp = sample_next_tokens(logits, temperature=1.0, top_p=0.75, generators=gens)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    # nucleus {0, 1} renormalised to 0.625 / 0.375; the 3-sigma binomial band is about +-0.023
+    assert freq.tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=0.025)
+    torch.testing.assert_close(lp, torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[tokens])
+    tokens_k1, _ = sample_next_tokens(logits[:50], temperature=2.0, top_k=1, generators=gens[:50])
+    assert tokens_k1.tolist() == [0] * 50
+    again, _ = sample_next_tokens(logits[:50], temperature=1.0,
+                                  generators=[torch.Generator().manual_seed(i) for i in range(50)])
+    first, _ = sample_next_tokens(logits[:50], temperature=1.0,
+                                  generators=[torch.Generator().manual_seed(i) for i in range(50)])
+    assert torch.equal(again, first)
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+
+
+@pytest.mark.multiproc
+def test_tp2_ranks_agree_and_equal_tp1(pgs, tmp_path):
+    """TP=2 (sequence parallel on): both ranks return the same samples, equal to TP=1's, and their
+    log-probs equal the TP=2 actor's."""
+    actor = make_actor(pgs)
+    ref = engine(bare(actor), pgs).generate(PROMPTS, TP_SAMPLING)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29500 + (os.getpid() + 317) % 1000), __file__, str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"tp2_rank{i}.pt", weights_only=False) for i in (0, 1)]
+    assert ranks[0]["samples"] == ranks[1]["samples"]
+    assert [s.response_token_ids for s in ranks[0]["samples"]] == [s.response_token_ids for s in ref]
+    for got, want in zip(ranks[0]["samples"], ref):
+        torch.testing.assert_close(torch.tensor(got.rollout_log_probs), torch.tensor(want.rollout_log_probs),
+                                   atol=1e-5, rtol=0)
+    for rank in ranks:
+        assert rank["sequence_parallel_restored"]
+        torch.testing.assert_close(rank["engine_log_probs"], rank["actor_log_probs"], atol=1e-5, rtol=0)
+
+
+def _tp2_worker(out_dir: str) -> None:
+    from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
+
+    pgs = init_parallel(tp=2)
+    actor = make_actor(pgs, **{"trainer.n_gpus_per_node": 2, "parallel.tensor_model_parallel_size": 2})
+    model = bare(actor)
+    sp_before = model.config.sequence_parallel
+    assert sp_before  # the builder turns SP on for TP > 1: the engine must switch it off and back
+    samples = engine(actor.policy.chunks[0], pgs).generate(PROMPTS, TP_SAMPLING)
+    restored = model.config.sequence_parallel and model.decoder.layers[0].mlp.linear_fc1.sequence_parallel
+    batch, ref = actor_log_probs(actor, samples, TP_SAMPLING.max_new_tokens)
+    torch.save({"samples": samples, "engine_log_probs": batch.rollout_log_probs, "actor_log_probs": ref,
+                "sequence_parallel_restored": bool(restored)}, f"{out_dir}/tp2_rank{pgs.rank}.pt")
+    destroy_parallel(destroy_world=True)
+
+
+if __name__ == "__main__":
+    _tp2_worker(sys.argv[1])
