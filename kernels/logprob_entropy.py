@@ -1,0 +1,498 @@
+"""Log-probabilities and entropy of the output layer without materialising the [N, V] logits.
+
+Shape legend:
+    N  tokens (rows of `hidden`)     H  hidden size     V  vocabulary (the local shard under TP)
+    C  tokens per chunk (torch path, and the backward scratch of the triton path)
+    P  partial results per row (vocabulary splits of the forward kernel)
+    hidden [N, H], weight [V, H], labels [N] int64 (global ids); logprobs, entropy [N] fp32
+    z = hidden @ weight.T / temperature: the logits, fp32, never held whole
+
+Math, per row over the full vocabulary, with p = softmax(z) and Ez = sum_j p_j z_j:
+    logprob = z_y - lse,   entropy = lse - Ez
+    d logprob / d z_j = [j == y] - p_j,   d entropy / d z_j = -p_j (z_j - Ez)
+so with upstream gradients g_lp and g_ent:
+    dz_j = g_lp [j == y] - p_j (g_lp + g_ent (z_j - Ez))
+    d hidden = dz @ weight / temperature,   d weight = dz.T @ hidden / temperature
+
+Per-row statistics relative to a running maximum m (the online log-sum-exp):
+    s = sum_j exp(z_j - m),   t = sum_j exp(z_j - m) (z_j - m),   zy = z_y (0 off this shard)
+    lse = m + log s,   Ez = m + t / s,   entropy = log s - t / s
+Partial statistics merge exactly (`_merge_partials`); vocabulary tiles inside a kernel, the
+vocabulary splits of the forward grid and tensor-parallel vocabulary shards all combine this way.
+Keeping t relative to m (not sum p z) avoids cancelling two numbers of the size of the logits.
+
+Implementations (all three agree to fp32 round-off; tests/kernels checks it):
+    triton     `_lse_entropy_fwd_kernel` writes only [4, P, N] statistics; the backward kernel
+               recomputes the logits tile by tile and writes dz for C tokens at a time, then two
+               GEMMs give the weight and hidden gradients (see `_triton_grads` for why).
+    torch      the same statistics and gradients for C tokens at a time in plain torch (CPU runs).
+    reference  `fused_logprob_entropy_reference`: full logits and autograd; the specification.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # a missing or broken triton must not break `import megatron_dapo.kernels`: torch paths remain
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as err:  # noqa: BLE001 (ImportError, or a RuntimeError from a broken install)
+    triton = tl = InterpretedFunction = None
+    TRITON_IMPORT_ERROR = err
+
+__all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference"]
+
+BACKENDS = ("auto", "triton", "torch")
+# Scratch sizes: the torch path holds 2 fp32 [C, V] buffers; the triton backward one [C, V] in the
+# input dtype. 32 MiB keeps the CPU path far below materialised logits (benchmarks/bench_kernels.py);
+# 256 MiB keeps the two GEMMs of the triton backward large enough to run near peak on a GPU.
+_TORCH_CHUNK_BYTES = 32 << 20
+_TRITON_CHUNK_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _lse_entropy_fwd_kernel(
+        h_ptr, w_ptr, labels_ptr, stats_ptr,  # stats [4, P, N] fp32: m, s, t, zy
+        N, V, H, stride_h, stride_w, vocab_start, temperature, n_splits, tiles_per_split,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Program (i, j): rows [i*BLOCK_N, +BLOCK_N) over vocabulary split j (tiles_per_split tiles)."""
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        target = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - vocab_start  # local column
+        # running max starts below any real logit yet finite: (m_i - m_new) * s_i is then 0 on the
+        # first tile, where -inf would give -inf * 0 = nan
+        m_i = tl.full([BLOCK_N], -1.0e30, tl.float32)
+        s_i = tl.zeros([BLOCK_N], tl.float32)
+        t_i = tl.zeros([BLOCK_N], tl.float32)
+        zy_i = tl.zeros([BLOCK_N], tl.float32)
+        for tile in range(0, tiles_per_split):
+            cols = (pid_v * tiles_per_split + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_ok = cols < V
+            acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+            for k0 in range(0, H, BLOCK_H):
+                ks = k0 + tl.arange(0, BLOCK_H)
+                k_ok = ks < H
+                h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_t = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None],
+                              mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_H, BLOCK_V]
+                if UPCAST_DOT:  # interpreter only: its bf16 tl.dot multiplies bit patterns
+                    h = h.to(tl.float32)
+                    w_t = w_t.to(tl.float32)
+                acc = tl.dot(h, w_t, acc, input_precision=DOT_PRECISION)
+            z = tl.where(col_ok[None, :], acc / temperature, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            zs = z - m_new[:, None]
+            e = tl.exp(zs)  # 0 on padding columns
+            zs = tl.where(col_ok[None, :], zs, 0.0)  # there e * zs would be 0 * -inf = nan
+            # t is relative to m: moving it from m_i to m_new adds (m_i - m_new) * s_i
+            t_i = alpha * (t_i + (m_i - m_new) * s_i) + tl.sum(e * zs, axis=1)
+            s_i = alpha * s_i + tl.sum(e, axis=1)
+            m_i = m_new
+            hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
+            zy_i += tl.sum(tl.where(hit, z, 0.0), axis=1)
+        out = stats_ptr + pid_v * N + rows
+        plane = n_splits * N
+        tl.store(out, m_i, mask=row_ok)
+        tl.store(out + plane, s_i, mask=row_ok)
+        tl.store(out + 2 * plane, t_i, mask=row_ok)
+        tl.store(out + 3 * plane, zy_i, mask=row_ok)
+
+    @triton.jit
+    def _logits_grad_kernel(
+        h_ptr, w_ptr, labels_ptr, lse_ptr, ez_ptr, g_lp_ptr, g_ent_ptr, dz_ptr,  # dz [C, V]
+        N, V, H, stride_h, stride_w, stride_dz, vocab_start, temperature,
+        HAS_GRAD_ENT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+        UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """dz / temperature (the gradient of the raw product hidden @ weight.T) for one [BLOCK_N, BLOCK_V] tile."""
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = rows < N
+        col_ok = cols < V
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            ks = k0 + tl.arange(0, BLOCK_H)
+            k_ok = ks < H
+            h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_t = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + ks[:, None],
+                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                h = h.to(tl.float32)
+                w_t = w_t.to(tl.float32)
+            acc = tl.dot(h, w_t, acc, input_precision=DOT_PRECISION)
+        z = acc / temperature
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
+        p = tl.exp(z - lse[:, None])
+        if HAS_GRAD_ENT:
+            ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
+            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+            dz = -p * (g_lp[:, None] + g_ent[:, None] * (z - ez[:, None]))
+        else:
+            dz = -p * g_lp[:, None]
+        target = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - vocab_start
+        dz = tl.where(cols[None, :] == target[:, None], dz + g_lp[:, None], dz)
+        dz = dz / temperature
+        ptrs = dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+        tl.store(ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter: ours and triton's own jit helpers (tl.sum,
+    tl.zeros, ...) must both have been built with TRITON_INTERPRET=1, i.e. it was set before the
+    first `import triton` anywhere in the process."""
+    return isinstance(_lse_entropy_fwd_kernel, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction)
+
+
+def _launch_config(dtype: torch.dtype) -> dict:
+    """Block sizes and dot settings: compiled CUDA, or Triton's interpreter (TRITON_INTERPRET=1)."""
+    interpreted = _interpreting()
+    # fp32 operands: "ieee" keeps fp32 products (tf32 would round the logits to ~1e-3);
+    # 16-bit operands take the tensor cores, whose products are exact with fp32 accumulation.
+    precision = "ieee" if (dtype == torch.float32 or interpreted) else "tf32"
+    if interpreted:
+        # numpy does each tile op; few large tiles keep the interpreter fast. UPCAST_DOT works around
+        # triton-lang/triton#11584 (the interpreter's bf16 tl.dot multiplies the raw uint16 bits):
+        # bf16 x bf16 products are exact in fp32, so the result is what the tensor cores compute.
+        return dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32, UPCAST_DOT=True, DOT_PRECISION=precision)
+    # Chosen from cuobjdump -res-usage of the cubins for sm_80 and sm_90 (triton 3.9, compiled on a
+    # CPU machine): 8 warps keep the [64, 128] fp32 logit tile and its softmax temporaries in
+    # registers (4 warps spill 450-1300 bytes of stack); fp32 operands take BLOCK_H 32 for the same
+    # reason. bf16 on sm_90 lowers tl.dot to wgmma.
+    block_h = 32 if dtype == torch.float32 else 64
+    return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=block_h, UPCAST_DOT=False, DOT_PRECISION=precision,
+                num_warps=8, num_stages=3)
+
+
+def _triton_local_stats(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float,
+                        vocab_start: int) -> tuple[Tensor, ...]:
+    """(m, s, t, zy) [P, N] each, for this rank's vocabulary shard."""
+    (n, h_size), v = hidden.shape, weight.shape[0]
+    cfg = _launch_config(hidden.dtype)
+    row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    v_tiles = triton.cdiv(v, cfg["BLOCK_V"])
+    # Split the vocabulary so that a small N still fills the GPU (about 4 programs per SM); the
+    # interpreter gets a few splits too, so the CPU tests exercise the merge of partial results.
+    if hidden.is_cuda:
+        target_programs = 4 * torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    else:
+        target_programs = 8
+    splits = max(1, min(v_tiles, triton.cdiv(target_programs, max(row_blocks, 1))))
+    tiles_per_split = triton.cdiv(v_tiles, splits)
+    splits = triton.cdiv(v_tiles, tiles_per_split)  # every split owns at least one real tile
+    stats = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
+    if n > 0:
+        _lse_entropy_fwd_kernel[(row_blocks, splits)](
+            hidden, weight, labels, stats, n, v, h_size, hidden.stride(0), weight.stride(0),
+            vocab_start, float(temperature), splits, tiles_per_split, **cfg,
+        )
+    return tuple(stats.unbind(0))
+
+
+def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, vocab_start,
+                  chunk_size, need_hidden, need_weight):
+    """Gradients for this rank's shard (grad_hidden before the TP all-reduce).
+
+    Why a [C, V] scratch and two GEMMs rather than accumulating both gradients inside the kernel:
+    with H in the thousands a [BLOCK_N, H] accumulator does not fit in registers, so a fused kernel
+    must either add into grad_hidden with about V / BLOCK_V fp32 atomics per element (~5e10 at
+    N=8192, H=5120, V=152064, and non-deterministic) or recompute the logits once per H block.
+    The scratch costs one recompute (tl.dot, fp32 accumulation, consistent with the forward) plus
+    the two gradient GEMMs on the tensor cores: the minimum work, deterministic, memory bounded.
+    grad_weight accumulates in the weight's dtype over N / C chunks (one rounding per chunk, as
+    Liger-Kernel's fused linear cross-entropy does by default).
+    """
+    (n, h_size), v = hidden.shape, weight.shape[0]
+    cfg = _launch_config(hidden.dtype)
+    if chunk_size is None:
+        chunk_size = max(cfg["BLOCK_N"], _TRITON_CHUNK_BYTES // (v * hidden.element_size()))
+    chunk = min(n, chunk_size)
+    grad_hidden = hidden.new_empty(n, h_size) if need_hidden else None  # contiguous, for mm(out=)
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    scratch = torch.empty(chunk, v, dtype=hidden.dtype, device=hidden.device)
+    has_ent = g_ent is not None
+    for c0 in range(0, n, max(chunk, 1)):
+        c1 = min(n, c0 + chunk)
+        dz = scratch[: c1 - c0]
+        grid = (triton.cdiv(c1 - c0, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"]))
+        _logits_grad_kernel[grid](
+            hidden[c0:c1], weight, labels[c0:c1], lse[c0:c1], ez[c0:c1], g_lp[c0:c1],
+            g_ent[c0:c1] if has_ent else g_lp[c0:c1], dz,
+            c1 - c0, v, h_size, hidden.stride(0), weight.stride(0), dz.stride(0), vocab_start,
+            float(temperature), HAS_GRAD_ENT=has_ent, **cfg,
+        )
+        if need_hidden:
+            torch.mm(dz, weight, out=grad_hidden[c0:c1])
+        if need_weight:
+            grad_weight.addmm_(dz.t(), hidden[c0:c1])
+    return grad_hidden, grad_weight
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked torch path (CPU runs; also the CUDA fallback when triton is unavailable)
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_chunk(v: int, chunk_size: int | None) -> int:
+    """Tokens per chunk: as asked, or enough for _TORCH_CHUNK_BYTES of fp32 logits."""
+    return max(1, chunk_size if chunk_size is not None else _TORCH_CHUNK_BYTES // (4 * v))
+
+
+def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Tensor]:
+    """Column of each label in this shard (clamped into range) and whether the shard owns it."""
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < v)
+    return local.clamp(0, v - 1), owned
+
+
+def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size):
+    """(m, s, t, zy) [1, N] each; at most two fp32 [C, V] buffers live at a time."""
+    (n, _), v = hidden.shape, weight.shape[0]
+    h32, w32 = hidden.float(), weight.float()  # no copy for fp32 inputs
+    col, owned = _local_target(labels, vocab_start, v)
+    stats = torch.empty(4, 1, n, dtype=torch.float32, device=hidden.device)
+    chunk = _torch_chunk(v, chunk_size)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        z = (h32[c0:c1] @ w32.t()).div_(temperature)  # [C, V]
+        zy = z.gather(1, col[c0:c1, None]).squeeze(1)
+        m = z.max(dim=1).values
+        zs = z.sub_(m[:, None])
+        e = zs.exp()
+        stats[0, 0, c0:c1] = m
+        stats[1, 0, c0:c1] = e.sum(dim=1)
+        stats[2, 0, c0:c1] = e.mul_(zs).sum(dim=1)
+        stats[3, 0, c0:c1] = torch.where(owned[c0:c1], zy, torch.zeros_like(zy))
+    return tuple(stats.unbind(0))
+
+
+def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, vocab_start,
+                 chunk_size, need_hidden, need_weight):
+    """Gradients for this rank's shard: recompute z for C tokens, form dz, two matmuls."""
+    (n, _), v = hidden.shape, weight.shape[0]
+    h32, w32 = hidden.float(), weight.float()
+    col, owned = _local_target(labels, vocab_start, v)
+    grad_hidden = h32.new_empty(h32.shape) if need_hidden else None  # contiguous, for mm(out=)
+    grad_weight = torch.zeros_like(w32) if need_weight else None
+    chunk = _torch_chunk(v, chunk_size)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        z = (h32[c0:c1] @ w32.t()).div_(temperature)
+        dz = (z - lse[c0:c1, None]).exp_()  # p
+        if g_ent is not None:  # coefficient g_lp + g_ent (z - Ez), built in z's buffer
+            coef = z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])
+        else:
+            coef = g_lp[c0:c1, None]
+        dz.mul_(coef).neg_()
+        hit = torch.where(owned[c0:c1], g_lp[c0:c1], torch.zeros_like(g_lp[c0:c1]))
+        dz.scatter_add_(1, col[c0:c1, None], hit[:, None])
+        dz.div_(temperature)
+        if need_hidden:
+            torch.mm(dz, w32, out=grad_hidden[c0:c1])
+        if need_weight:
+            grad_weight.addmm_(dz.t(), h32[c0:c1])
+    return (grad_hidden.to(hidden.dtype) if need_hidden else None,
+            grad_weight.to(weight.dtype) if need_weight else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics: merge partials, reduce across tensor parallelism, finish
+# ---------------------------------------------------------------------------------------------
+
+
+def _merge_partials(m: Tensor, s: Tensor, t: Tensor, zy: Tensor) -> tuple[Tensor, ...]:
+    """Merge [P, N] partial statistics over P into [N] (exact, in any order)."""
+    m_all = m.max(dim=0).values
+    scale = torch.exp(m - m_all)
+    s_all = (scale * s).sum(dim=0)
+    t_all = (scale * (t + (m - m_all) * s)).sum(dim=0)
+    return m_all, s_all, t_all, zy.sum(dim=0)
+
+
+def _reduce_across_tp(m, s, t, zy, tp_group):
+    """Merge the per-shard statistics of every tensor-parallel rank (two all-reduces)."""
+    m_all = m.clone()
+    dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+    scale = torch.exp(m - m_all)
+    packed = torch.stack([scale * s, scale * (t + (m - m_all) * s), zy])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
+    return m_all, packed[0], packed[1], packed[2]
+
+
+def _tp_size(tp_group) -> int:
+    return 1 if tp_group is None else dist.get_world_size(tp_group)
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, tp_group, use_triton):
+        tp = _tp_size(tp_group)
+        # Megatron's vocabulary layout: rank r holds rows [r * V_local, (r + 1) * V_local).
+        vocab_start = dist.get_rank(tp_group) * weight.shape[0] if tp > 1 else 0
+        local = (_triton_local_stats(hidden, weight, labels, temperature, vocab_start) if use_triton
+                 else _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size))
+        m, s, t, zy = _merge_partials(*local)
+        if tp > 1:
+            m, s, t, zy = _reduce_across_tp(m, s, t, zy, tp_group)
+        log_s, t_over_s = torch.log(s), t / s
+        lse = m + log_s
+        ez = m + t_over_s
+        ctx.save_for_backward(hidden, weight, labels, lse, ez)
+        ctx.cfg = (temperature, chunk_size, tp_group, use_triton, vocab_start)
+        ctx.set_materialize_grads(False)
+        return zy - lse, log_s - t_over_s
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, labels, lse, ez = ctx.saved_tensors
+        temperature, chunk_size, tp_group, use_triton, vocab_start = ctx.cfg
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_lp is None and g_ent is None) or not (need_hidden or need_weight):
+            return (None,) * 7
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        grads = _triton_grads if use_triton else _torch_grads
+        grad_hidden, grad_weight = grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature,
+                                         vocab_start, chunk_size, need_hidden, need_weight)
+        if need_hidden and _tp_size(tp_group) > 1:
+            # every shard contributes dz_shard @ weight_shard to the replicated hidden
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=tp_group)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden is {tuple(hidden.shape)}, weight is "
+                         f"{tuple(weight.shape)} (both need H as their last dimension)")
+    if labels.shape != hidden.shape[:1] or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer ids of shape [{hidden.shape[0]}], got "
+                         f"{labels.dtype} {tuple(labels.shape)}")
+    if not hidden.dtype.is_floating_point or hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight need the same floating dtype, got {hidden.dtype} and {weight.dtype}")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(f"hidden, weight and labels must share a device, got {hidden.device}, "
+                         f"{weight.device}, {labels.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if not labels.is_cuda and labels.numel() > 0:  # on CUDA the check would synchronise the stream
+        v_total = weight.shape[0] * _tp_size(tp_group)
+        bad = ((labels < 0) | (labels >= v_total)).nonzero()
+        if bad.numel() > 0:
+            row = int(bad[0, 0])
+            raise ValueError(f"labels[{row}] = {int(labels[row])} is outside the vocabulary [0, {v_total})")
+
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    """Resolve `backend`: "auto" is triton for CUDA tensors, the torch path otherwise."""
+    if backend == "torch" or (backend == "auto" and (device.type != "cuda" or triton is None)):
+        return False
+    if triton is None:
+        raise RuntimeError(f"backend='triton' needs triton, which failed to import: {TRITON_IMPORT_ERROR!r}")
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"backend='triton' on {device.type} tensors needs Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before anything imports triton (megatron.core does), or use backend='torch'"
+        )
+    return True
+
+
+def fused_logprob_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+    tp_group=None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probability of `labels` and entropy under softmax(hidden @ weight.T / temperature).
+
+    hidden [N, H] and weight [V, H] share a floating dtype (products accumulate in fp32);
+    labels [N] are global token ids. Returns (logprobs [N] fp32, entropy [N] fp32 or None when
+    `compute_entropy=False`), differentiable with respect to hidden and weight.
+
+    Never holds the [N, V] logits: `chunk_size` tokens at a time (default: 32 MiB of fp32 logits
+    in the torch path, 256 MiB of scratch in the triton backward; the triton forward needs none).
+
+    Tensor parallelism: with `tp_group` of size tp, `weight` is this rank's shard of the vocabulary,
+    rows [rank * V, (rank + 1) * V) (Megatron's layout, equal shards), and `hidden` is replicated.
+    Max, sum-exp, target logit and entropy statistics are all-reduced over the group; the hidden
+    gradient is summed over it, the weight gradient stays local. Labels are range-checked on CPU
+    only (on CUDA the check would synchronise).
+
+    backend: "auto" (triton for CUDA tensors, else the chunked torch path), "triton" (CPU tensors
+    need TRITON_INTERPRET=1 set before triton is imported), or "torch".
+    """
+    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group)
+    use_triton = _use_triton(backend, hidden.device)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    logprobs, entropy = _LogprobEntropy.apply(hidden, weight, labels.long().contiguous(), float(temperature),
+                                              chunk_size, tp_group, use_triton)
+    return logprobs, (entropy if compute_entropy else None)
+
+
+def fused_logprob_entropy_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+    tp_group=None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """The specification: full fp32 logits, log_softmax, autograd.
+
+    `chunk_size` and `backend` exist only so the signature matches `fused_logprob_entropy`; they
+    change nothing here. The reference is unsharded: compare a TP run against it with the full weight.
+    """
+    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, None)
+    if _tp_size(tp_group) > 1:
+        raise ValueError("fused_logprob_entropy_reference is unsharded: pass the full weight and tp_group=None")
+    logits = (hidden.float() @ weight.float().t()) / temperature  # [N, V]
+    log_p = torch.log_softmax(logits, dim=-1)
+    logprobs = log_p.gather(-1, labels.long()[:, None]).squeeze(-1)
+    if not compute_entropy:
+        return logprobs, None
+    entropy = torch.logsumexp(logits, dim=-1) - (log_p.exp() * logits).sum(dim=-1)
+    return logprobs, entropy
