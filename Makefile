@@ -8,7 +8,8 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench clean
+.PHONY: install train test test-all lint bench clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
+	train-moe tensorboard data eval-aime
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
 # would pull a multi-GB CUDA build). A stamp file keeps a re-run to a quick up-to-date check.
@@ -38,6 +39,42 @@ lint: install
 
 bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch; DRY_RUN=1 prints
+# every command per node instead). Extra trainer overrides go in ARGS.
+SBATCH ?= sbatch
+SBATCH_SCRIPT := launch/slurm/dapo_16x8_h800.sbatch
+TB_PORT ?= 6006
+TB_LOGDIR ?= runs
+DAPO_MATH ?=
+AIME ?=
+EVAL_MODEL ?=
+EVAL_DATA ?= data/aime-2024.parquet
+
+train-dapo-32b:
+	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+
+train-dapo-32b-wo-ds:
+	RECIPE=configs/dapo_wo_ds_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+
+train-dapo-32b-early:
+	RECIPE=configs/dapo_early_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+
+train-moe:
+	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+
+tensorboard: install
+	$(BIN)/tensorboard --logdir $(TB_LOGDIR) --host 127.0.0.1 --port $(TB_PORT)
+
+data: install
+	@test -n "$(DAPO_MATH)$(AIME)" || { echo "usage: make data DAPO_MATH=path/to/dapo-math-17k.parquet AIME=path/to/aime-2024.parquet"; exit 2; }
+	$(BIN)/python -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data
+
+# AIME 2024 avg@32 / pass@k of a checkpoint or HF directory (DAPO's sampling: T=1.0, top_p=0.7).
+eval-aime: install
+	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...]"; exit 2; }
+	$(BIN)/python -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
+		--top-p 0.7 --max-tokens 20480 $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

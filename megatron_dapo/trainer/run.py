@@ -65,6 +65,14 @@ def build_parts(cfg: Config):
         raise ValueError(f"trainer.nnodes * trainer.n_gpus_per_node = {cfg.trainer.world_size} but the job has "
                          f"{pgs.world_size} processes")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if pgs.device.type == "cuda":  # refuse a layout that cannot fit before building anything
+        from megatron_dapo.plan import check_fits, format_plan, plan_from_config
+        from megatron_dapo.workers.model_arch import model_arch
+
+        gib = torch.cuda.get_device_properties(pgs.device).total_memory / 2**30
+        plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=tokenizer.vocab_size), gpu_memory_gib=gib)
+        log.info("memory plan:\n%s", format_plan(plan))
+        check_fits(plan)
     train, val = _datasets(cfg, tokenizer)
     reward_name = cfg.reward.function if cfg.reward.function != "auto" else (
         "arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")

@@ -6,37 +6,16 @@ STYLE.md rule 9: small ordered functions; the CPU and GPU paths differ only in t
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megatron_dapo.algos.policy_loss import get_policy_loss_fn
 from megatron_dapo.config import Config
-from megatron_dapo.models.arch import ModelArch, get_arch
+from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.workers.actor import Actor, PolicyModel
+from megatron_dapo.workers.model_arch import model_arch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def model_arch(cfg: Config, *, vocab_size: int) -> ModelArch:
-    """The architecture of cfg.model with its overrides and the tokenizer's vocabulary."""
-    m = cfg.model
-    if m.arch == "hf":
-        from megatron_dapo.models.hf import arch_from_hf
-
-        arch = arch_from_hf(m.hf_path)
-    else:
-        arch = get_arch(m.arch)
-    overrides = {k: getattr(m, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size",
-                                            "num_attention_heads", "num_query_groups") if getattr(m, k) is not None}
-    if m.mtp_num_layers:
-        overrides["mtp_num_layers"] = m.mtp_num_layers
-    if m.arch in ("tiny", "tiny_moe"):  # the tiny presets take the task's vocabulary
-        overrides["vocab_size"] = vocab_size
-    elif vocab_size > arch.vocab_size:
-        raise ValueError(f"model.arch {m.arch!r} has vocab_size {arch.vocab_size} < the tokenizer's {vocab_size}")
-    return dataclasses.replace(arch, **overrides)
 
 
 def _config_overrides(cfg: Config) -> dict:

@@ -1,0 +1,472 @@
+"""Memory planner: per-GPU memory of the actor, the reference and the rollout engine for a config.
+
+    python -m megatron_dapo.plan --config configs/dapo_qwen2.5_32b.yaml [key=value ...] [--gpu-memory-gb 80]
+
+prints a table and exits 1 when the configuration cannot fit (2 for an invalid config). In code:
+`check_fits(plan_from_config(cfg))` raises a ValueError naming each component that does not fit.
+All sizes are bytes; GiB = 2**30 bytes (`--gpu-memory-gb` is in GiB too).
+
+Parameters (exact, from the architecture; `count_shards`), per GPU of pipeline rank r:
+  attention = QKV h*(q + 2kv) + O q*h (+ QKV bias q + 2kv)          sharded by TP
+  dense MLP = fc1 h*2f (SwiGLU: gate and up) + fc2 f*h                sharded by TP
+  expert    = the same with the expert size, E/EP experts per GPU     sharded by ETP
+  router h*E, norms, QK-norms                                          replicated
+  embedding V*h on the first stage, output layer V*h (+ final norm, MTP layers) on the last  / TP
+q = heads*head_dim, kv = kv_heads*head_dim. Layers: L/PP per rank (interleaved: L/(PP*VPP) per
+virtual stage, round robin). At TP = PP = EP = 1 the sum equals `models.arch.count_parameters`.
+
+Actor state per GPU (as `workers/build.py` builds it):
+  params      param bytes (2 bf16, 4 fp32) per parameter
+  grads       4 B per parameter (Megatron DDP grad buffer with grad_reduce_in_fp32=True; with the
+              distributed optimizer the buffer also pads each tensor to 64 elements, not counted)
+  optimizer   Adam m + v in fp32 (8 B), plus an fp32 master copy for bf16 params (12 B in all);
+              the distributed optimizer shards it over DP x CP (dense) / expert-DP (experts);
+              both figures are reported, the configured one counts.
+  activations per micro-batch of T tokens (actor.max_tokens_per_microbatch / CP), per layer and
+              token, in activation bytes a (= param bytes), following the accounting of Korthikanti
+              et al. 2022 (arXiv 2205.05198, Table 2) adapted to flash attention (no s^2 softmax
+              term), no dropout, GQA and SwiGLU:
+                a * (4h / sp + (2q + 2kv [+ q + kv QK-norm inputs]) / tp) + 4 B * heads / tp (LSE)
+                dense MLP:  a * (2f + f) / tp
+                MoE MLP:    (8 B * E + topk * a * (2h + 3 f_e / etp) [+ shared 3 f_s a / tp]) / sp
+              where sp = TP with sequence parallelism, else 1 (4h: the two norm inputs and the two
+              linear inputs that TP replicates without SP). Full recomputation stores only each
+              layer's input, a*h/sp per token, plus one layer's full set while it is recomputed;
+              selective recomputation equals none here (flash attention already recomputes softmax).
+              1F1B keeps PP - r micro-batches in flight on rank r; interleaving multiplies that by
+              Megatron's 1 + (PP-1)/(PP*VPP).
+  logits      with actor.use_fused_kernels off: T * V/TP * (a + 8) on the last stage (logits plus
+              fp32 log-softmax and its gradient); the fused kernels work in chunks (counted as 0).
+  reference   params only, when a KL term is used (cfg.needs_reference).
+  overhead    a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation
+              (`--overhead-gb`, default 4 GiB: a rule of thumb, not a measurement).
+
+Rollout engine:
+  sglang      weights 2 B * params / rollout TP (bf16); SGLang sizes its KV pool so that the GPU's
+              used memory reaches gpu_memory_utilization x GPU: KV = frac*GPU - weights - what else
+              is resident. Colocated, the training state (params, grads, optimizer, reference) stays
+              resident during rollout, so it comes out of the KV pool; SGLang releases its memory
+              during training, so the peak is max(training, rollout), not the sum. KV capacity in
+              tokens = KV / (2 * layers * ceil(kv_heads / rollout TP) * head_dim * 2 B), layers
+              including the MTP layers when speculative decoding is on. It must hold at least one
+              full sequence (max_prompt_length + max_response_length).
+  local       the actor's own model samples with a KV cache for gen_batch_size * n sequences of
+              full length, at the actor's TP and activation bytes, on top of the training state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from megatron_dapo.models.arch import ModelArch
+
+GIB = 1024**3
+
+
+# --- parameters --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one GPU of pipeline rank `pp_rank` (interleaved stages included)."""
+
+    pp_rank: int
+    dense: int
+    """Non-expert parameters (their optimizer state is sharded over DP x CP)."""
+    expert: int
+    """Expert parameters (optimizer state sharded over the expert-data-parallel group)."""
+    layers: tuple[int, ...]
+    """Decoder layer indices on this rank."""
+    mtp_layers: int
+    """MTP layers on this rank (the last stage holds them)."""
+
+
+def _mlp(arch: ModelArch, ffn: int) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one MLP with intermediate size ffn."""
+    h, n_in = arch.hidden_size, (2 * ffn if arch.swiglu else ffn)
+    bias = arch.add_bias_linear
+    return h * n_in + ffn * h + (n_in if bias else 0), (h if bias else 0)
+
+
+def _attention(arch: ModelArch) -> tuple[int, int]:
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    sharded = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if (arch.add_qkv_bias or arch.add_bias_linear) else 0)
+    replicated = (h if arch.add_bias_linear else 0) + (2 * hd if arch.qk_layernorm else 0)
+    return sharded, replicated
+
+
+def _norm(arch: ModelArch) -> int:
+    return arch.hidden_size * (2 if arch.normalization == "LayerNorm" else 1)
+
+
+def layer_params(arch: ModelArch, *, moe: bool, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one decoder layer on one GPU."""
+    attn_s, attn_r = _attention(arch)
+    dense = math.ceil(attn_s / tp) + attn_r + 2 * _norm(arch)
+    if not moe:
+        mlp_s, mlp_r = _mlp(arch, arch.ffn_hidden_size)
+        return dense + math.ceil(mlp_s / tp) + mlp_r, 0
+    dense += arch.hidden_size * arch.num_moe_experts                      # router, replicated
+    if arch.moe_shared_expert_intermediate_size:
+        sh_s, sh_r = _mlp(arch, arch.moe_shared_expert_intermediate_size)
+        dense += math.ceil(sh_s / tp) + sh_r
+    ex_s, ex_r = _mlp(arch, arch.moe_ffn_hidden_size)
+    return dense, math.ceil(arch.num_moe_experts / ep) * (math.ceil(ex_s / etp) + ex_r)
+
+
+def layers_of_rank(num_layers: int, *, pp: int, vpp: int | None, pp_rank: int) -> tuple[int, ...]:
+    """Decoder layer indices held by pipeline rank pp_rank (virtual stages round robin)."""
+    chunks = vpp or 1
+    if num_layers % (pp * chunks):
+        raise ValueError(f"num_layers={num_layers} is not divisible by PP*VPP = {pp}*{chunks}")
+    per_stage = num_layers // (pp * chunks)
+    stages = [c * pp + pp_rank for c in range(chunks)]
+    return tuple(i for s in stages for i in range(s * per_stage, (s + 1) * per_stage))
+
+
+def count_shards(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                 vpp: int | None = None) -> list[RankParams]:
+    """Parameters per GPU for each pipeline rank."""
+    etp = etp or tp
+    pattern = arch.moe_layer_pattern()
+    h, vocab = arch.hidden_size, math.ceil(arch.vocab_size / tp)
+    out = []
+    for r in range(pp):
+        layers = layers_of_rank(arch.num_layers, pp=pp, vpp=vpp, pp_rank=r)
+        dense = expert = 0
+        for i in layers:
+            d, e = layer_params(arch, moe=bool(pattern[i]), tp=tp, ep=ep, etp=etp)
+            dense, expert = dense + d, expert + e
+        if r == 0:
+            dense += vocab * h                                              # input embedding
+        mtp = 0
+        if r == pp - 1:
+            # Output layer: its own weight when untied; a tied model's last stage keeps a copy when PP > 1.
+            if arch.untie_embeddings_and_output_weights or pp > 1:
+                dense += vocab * h
+            dense += _norm(arch)                                            # final norm
+            mtp = arch.mtp_num_layers
+            d, e = layer_params(arch, moe=bool(pattern[-1]), tp=tp, ep=ep, etp=etp)
+            # MTP layer: enorm + hnorm + its final norm, eh_proj [h, 2h] (column parallel), one layer.
+            dense += mtp * (3 * _norm(arch) + math.ceil(2 * h * h / tp) + d)
+            expert += mtp * e
+        out.append(RankParams(pp_rank=r, dense=dense, expert=expert, layers=layers, mtp_layers=mtp))
+    return out
+
+
+# --- activations -------------------------------------------------------------------------------
+
+def layer_activation_bytes_per_token(arch: ModelArch, *, moe: bool, tp: int, etp: int,
+                                     sequence_parallel: bool, act_bytes: int) -> float:
+    """Bytes one decoder layer keeps for backward per token of the micro-batch (no recomputation)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    sp = tp if sequence_parallel else 1
+    attention = 2 * q + 2 * kv + ((q + kv) if arch.qk_layernorm else 0)
+    total = act_bytes * (4 * h / sp + attention / tp) + 4 * arch.num_attention_heads / tp
+    if not moe:
+        f = arch.ffn_hidden_size
+        return total + act_bytes * ((2 * f if arch.swiglu else f) + f) / tp
+    fe = arch.moe_ffn_hidden_size
+    per_local_token = 8 * arch.num_moe_experts + arch.moe_router_topk * act_bytes * (
+        2 * h + ((2 * fe if arch.swiglu else fe) + fe) / etp)
+    if arch.moe_shared_expert_intermediate_size:
+        fs = arch.moe_shared_expert_intermediate_size
+        per_local_token += act_bytes * ((2 * fs if arch.swiglu else fs) + fs) / tp * sp
+    return total + per_local_token / sp
+
+
+def in_flight_microbatches(*, pp: int, vpp: int | None, pp_rank: int) -> float:
+    """Micro-batches whose activations rank pp_rank holds at once under 1F1B (interleaved: times
+    Megatron's penalty 1 + (PP-1)/(PP*VPP), an upper bound for ranks other than 0)."""
+    base = pp - pp_rank
+    return base * (1 + (pp - 1) / (pp * vpp)) if vpp else float(base)
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU memory in bytes; the actor figures are those of the busiest pipeline rank."""
+
+    arch_name: str
+    params_total: int
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    expert_dp: int
+    gpu_memory: int
+    overhead: int
+    pp_rank: int
+    """The pipeline rank whose training peak is largest (the one shown)."""
+    params_per_gpu: int
+    params_dtype: str
+    actor_params: int
+    actor_grads: int
+    actor_optimizer: int
+    actor_optimizer_distributed: int
+    actor_optimizer_replicated: int
+    use_distributed_optimizer: bool
+    actor_activations: int
+    actor_logits: int
+    reference_params: int
+    train_peak: int
+    rollout_engine: str
+    rollout_mode: str
+    rollout_tp: int
+    rollout_weights: int
+    rollout_kv_cache: int
+    rollout_kv_tokens: int
+    rollout_reserved: int
+    """SGLang: gpu_memory_utilization x GPU; local engine: 0."""
+    rollout_peak: int
+    max_seq_len: int
+    micro_batch_tokens: int
+    recompute: str
+    in_flight: float
+
+    @property
+    def resident_train_state(self) -> int:
+        """What training keeps on the GPU between steps: params, grads, optimizer, reference."""
+        return self.actor_params + self.actor_grads + self.actor_optimizer + self.reference_params
+
+    @property
+    def peak(self) -> int:
+        """Colocated: training and rollout take turns (max); disaggregated: the larger of two GPU kinds."""
+        return max(self.train_peak, self.rollout_peak)
+
+
+def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                etp: int | None = None, vpp: int | None = None, sequence_parallel: bool | None = None,
+                params_dtype: str = "bf16", use_distributed_optimizer: bool = True,
+                grad_reduce_in_fp32: bool = True, max_tokens_per_microbatch: int, recompute: str = "none",
+                fused_logits: bool = True, needs_reference: bool = False, rollout_engine: str = "sglang",
+                rollout_mode: str = "colocate", rollout_tp: int = 1, gpu_memory_utilization: float = 0.85,
+                speculative: bool = False, max_seq_len: int, rollout_sequences: int = 1,
+                gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB) -> MemoryPlan:
+    """The memory plan (module docstring for every formula). Sizes in bytes.
+
+    sequence_parallel None means on whenever TP > 1, as models/builder.py resolves it.
+    """
+    etp = etp or tp
+    if sequence_parallel is None:
+        sequence_parallel = tp > 1
+    if world_size % (tp * pp * cp) or world_size % (ep * etp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by TP*PP*CP = {tp * pp * cp} "
+                         f"and EP*ETP*PP = {ep * etp * pp}")
+    if params_dtype not in ("bf16", "fp32"):
+        raise ValueError(f"params_dtype must be 'bf16' or 'fp32', got {params_dtype!r}")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if rollout_engine not in ("sglang", "local") or rollout_mode not in ("colocate", "disaggregate"):
+        raise ValueError(f"unknown rollout engine/mode {rollout_engine!r}/{rollout_mode!r}")
+    dp, expert_dp = world_size // (tp * pp * cp), world_size // (ep * etp * pp)
+    p_bytes = 2 if params_dtype == "bf16" else 4
+    g_bytes = 4 if (grad_reduce_in_fp32 or params_dtype == "fp32") else 2
+    opt_bytes = 8 if params_dtype == "fp32" else 12         # m + v (+ fp32 master copy of bf16 params)
+    tokens = math.ceil(max_tokens_per_microbatch / cp)
+    pattern = arch.moe_layer_pattern()
+
+    def per_layer(i: int) -> float:
+        return layer_activation_bytes_per_token(arch, moe=bool(pattern[i]), tp=tp, etp=etp,
+                                                sequence_parallel=sequence_parallel, act_bytes=p_bytes)
+
+    def train_memory(rank: RankParams) -> dict:
+        n = rank.dense + rank.expert
+        layer_ids = list(rank.layers) + [arch.num_layers - 1] * rank.mtp_layers   # MTP ~ a last layer
+        full = [per_layer(i) for i in layer_ids]
+        if recompute == "full":     # each layer's input, plus one layer's full set while recomputed
+            stored = len(full) * p_bytes * arch.hidden_size / (tp if sequence_parallel else 1)
+            working = max(full, default=0.0)
+        else:
+            stored, working = sum(full), 0.0
+        flight = in_flight_microbatches(pp=pp, vpp=vpp, pp_rank=rank.pp_rank)
+        opt_dist = (math.ceil(rank.dense * opt_bytes / (dp * cp))
+                    + math.ceil(rank.expert * opt_bytes / expert_dp))
+        unfused_logits = rank.pp_rank == pp - 1 and not fused_logits
+        m = dict(rank=rank, n=n, params=n * p_bytes, grads=n * g_bytes, opt_dist=opt_dist,
+                 opt_repl=n * opt_bytes, optimizer=opt_dist if use_distributed_optimizer else n * opt_bytes,
+                 reference=n * p_bytes if needs_reference else 0, flight=flight,
+                 activations=math.ceil(tokens * (stored * flight + working)),
+                 logits=tokens * math.ceil(arch.vocab_size / tp) * (p_bytes + 8) if unfused_logits else 0)
+        m["resident"] = m["params"] + m["grads"] + m["optimizer"] + m["reference"]
+        m["peak"] = m["resident"] + m["activations"] + m["logits"] + overhead
+        return m
+
+    ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
+    busiest = max(ranks, key=lambda m: m["peak"])
+    resident = max(m["resident"] for m in ranks)     # the KV pool is smallest where most stays resident
+
+    total = sum(r.dense for r in count_shards(arch)) + sum(r.expert for r in count_shards(arch))
+    kv_layers = arch.num_layers + (arch.mtp_num_layers if speculative else 0)
+    if rollout_engine == "sglang":
+        weights = math.ceil(2 * total / rollout_tp)
+        per_token = 2 * kv_layers * math.ceil(arch.num_query_groups / rollout_tp) * arch.head_dim * 2
+        reserved = int(gpu_memory_utilization * gpu_memory)
+        kv = reserved - weights - (resident if rollout_mode == "colocate" else 0)
+        rollout_peak = max(reserved, weights + (resident if rollout_mode == "colocate" else 0))
+        rollout_tp_used = rollout_tp
+    else:   # the actor's model samples: no second copy of the weights, a KV cache for every sequence
+        weights, reserved, rollout_tp_used = 0, 0, tp
+        per_token = 2 * kv_layers * math.ceil(arch.num_query_groups / tp) * arch.head_dim * p_bytes
+        kv = rollout_sequences * max_seq_len * per_token
+        rollout_peak = resident + kv + overhead
+    return MemoryPlan(
+        arch_name=arch.name, params_total=total, world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep,
+        etp=etp, expert_dp=expert_dp, gpu_memory=gpu_memory, overhead=overhead,
+        pp_rank=busiest["rank"].pp_rank, params_per_gpu=busiest["n"], params_dtype=params_dtype,
+        actor_params=busiest["params"], actor_grads=busiest["grads"], actor_optimizer=busiest["optimizer"],
+        actor_optimizer_distributed=busiest["opt_dist"], actor_optimizer_replicated=busiest["opt_repl"],
+        use_distributed_optimizer=use_distributed_optimizer, actor_activations=busiest["activations"],
+        actor_logits=busiest["logits"], reference_params=busiest["reference"], train_peak=busiest["peak"],
+        rollout_engine=rollout_engine, rollout_mode=rollout_mode, rollout_tp=rollout_tp_used,
+        rollout_weights=weights, rollout_kv_cache=kv, rollout_kv_tokens=max(kv, 0) // per_token,
+        rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
+        micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"])
+
+
+def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,
+                     overhead_gib: float = 4.0) -> MemoryPlan:
+    """The plan of a resolved Config (every field the plan reads is passed by keyword here).
+
+    arch: the model the trainer built (`workers.model_arch.model_arch`); None resolves it the same way,
+    with the tokenizer's vocabulary for the tiny presets.
+    """
+    if arch is None:
+        from megatron_dapo.data.tokenizer import load_tokenizer
+        from megatron_dapo.workers.model_arch import model_arch
+
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size if cfg.model.arch in ("tiny", "tiny_moe") else 0
+        arch = model_arch(cfg, vocab_size=vocab)
+    par = cfg.parallel
+    return plan_memory(
+        arch, world_size=cfg.trainer.world_size, tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size, cp=par.context_parallel_size, ep=par.expert_model_parallel_size,
+        etp=par.expert_tensor_parallel_size, vpp=par.virtual_pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel, params_dtype=cfg.model.params_dtype,
+        # None = the CUDA default of workers/build.py (on); this plan is for GPUs.
+        use_distributed_optimizer=cfg.actor.use_distributed_optimizer is not False,
+        grad_reduce_in_fp32=True,                      # workers/build.py: DistributedDataParallelConfig
+        max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, recompute=cfg.model.recompute,
+        fused_logits=cfg.actor.use_fused_kernels is not False, needs_reference=cfg.needs_reference,
+        rollout_engine=cfg.rollout.engine, rollout_mode=cfg.rollout.mode,
+        rollout_tp=cfg.rollout.tensor_model_parallel_size,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        speculative=cfg.rollout.speculative.algorithm is not None,
+        max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        rollout_sequences=cfg.data.effective_gen_batch_size * cfg.rollout.n,
+        gpu_memory=int(gpu_memory_gib * GIB), overhead=int(overhead_gib * GIB))
+
+
+# --- verdict and table -------------------------------------------------------------------------
+
+def _g(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def check_fits(plan: MemoryPlan) -> None:
+    """Raise ValueError naming every component that does not fit, with its numbers."""
+    problems = []
+    if plan.train_peak > plan.gpu_memory:
+        problems.append(
+            f"actor training (pipeline rank {plan.pp_rank}) needs {_g(plan.train_peak)} > GPU "
+            f"{_g(plan.gpu_memory)}: params {_g(plan.actor_params)} + grads {_g(plan.actor_grads)} + "
+            f"optimizer {_g(plan.actor_optimizer)} + activations {_g(plan.actor_activations)} + logits "
+            f"{_g(plan.actor_logits)} + reference {_g(plan.reference_params)} + overhead {_g(plan.overhead)}")
+    if plan.rollout_engine == "sglang":
+        if plan.rollout_kv_tokens < plan.max_seq_len:
+            resident = plan.resident_train_state if plan.rollout_mode == "colocate" else 0
+            problems.append(
+                f"rollout KV cache holds {plan.rollout_kv_tokens} tokens < one sequence of "
+                f"{plan.max_seq_len}: "
+                f"gpu_memory_utilization share {_g(plan.rollout_reserved)} - weights "
+                f"{_g(plan.rollout_weights)} (rollout TP {plan.rollout_tp}) - resident training state "
+                f"{_g(resident)} = {_g(plan.rollout_kv_cache)}")
+    elif plan.rollout_peak > plan.gpu_memory:
+        problems.append(
+            f"rollout (local engine) needs {_g(plan.rollout_peak)} > GPU {_g(plan.gpu_memory)}: training "
+            f"state {_g(plan.resident_train_state)} + KV cache {_g(plan.rollout_kv_cache)} + overhead "
+            f"{_g(plan.overhead)}")
+    if problems:
+        raise ValueError("configuration does not fit: " + "; ".join(problems))
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A table of the plan, one component per line."""
+    experts = f" / expert DP = {plan.expert_dp}" if plan.ep > 1 else ""
+    opt_kind = (f"distributed over DP x CP = {plan.dp * plan.cp}{experts}" if plan.use_distributed_optimizer
+                else "replicated")
+    rows = [
+        ("actor params", plan.actor_params,
+         f"{plan.params_per_gpu / 1e9:.3f} B params ({plan.params_dtype}) on pipeline rank {plan.pp_rank}"),
+        ("actor grads", plan.actor_grads, "grad buffer, fp32 (grad_reduce_in_fp32)"),
+        ("actor optimizer", plan.actor_optimizer,
+         f"Adam, {opt_kind}; distributed {_g(plan.actor_optimizer_distributed)}, "
+         f"replicated {_g(plan.actor_optimizer_replicated)}"),
+        ("actor activations", plan.actor_activations,
+         f"recompute {plan.recompute}, {plan.micro_batch_tokens} tokens per micro-batch, "
+         f"{plan.in_flight:g} in flight"),
+        ("actor logits", plan.actor_logits,
+         "unfused, last stage" if plan.actor_logits else "fused kernels (chunked)"),
+        ("reference params", plan.reference_params,
+         "frozen copy" if plan.reference_params else "no KL term: none"),
+        ("overhead", plan.overhead, "CUDA context, NCCL, fragmentation (--overhead-gb)"),
+        ("= training peak", plan.train_peak, ""),
+    ]
+    if plan.rollout_engine == "sglang":
+        rows += [
+            ("rollout weights", plan.rollout_weights, f"SGLang, bf16, TP {plan.rollout_tp}"),
+            ("rollout KV cache", plan.rollout_kv_cache,
+             f"{plan.rollout_kv_tokens:,} tokens (one sequence: {plan.max_seq_len:,})"),
+            ("rollout reserved", plan.rollout_reserved, f"gpu_memory_utilization x GPU, {plan.rollout_mode}"),
+        ]
+    else:
+        rows += [("rollout KV cache", plan.rollout_kv_cache,
+                  f"local engine, {plan.rollout_kv_tokens:,} tokens")]
+    rows += [("= rollout peak", plan.rollout_peak, "")]
+    peak_note = ("colocate: max(training, rollout)" if plan.rollout_mode == "colocate"
+                 else "disaggregate: training and rollout GPUs separately")
+    rows += [("= peak per GPU", plan.peak, f"{peak_note}; GPU {_g(plan.gpu_memory)}")]
+    head = (f"memory plan: {plan.arch_name}, {plan.params_total / 1e9:.2f} B params; {plan.world_size} GPUs "
+            f"= TP {plan.tp} x PP {plan.pp} x CP {plan.cp} x DP {plan.dp} (EP {plan.ep}, ETP {plan.etp}, "
+            f"expert DP {plan.expert_dp})")
+    lines = [head, f"{'component':<20} {'GiB':>9}  notes"]
+    lines += [f"{name:<20} {value / GIB:>9.2f}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_dapo.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    p.add_argument("--overhead-gb", type=float, default=4.0, help="reserve for CUDA/NCCL/fragmentation, GiB")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    from megatron_dapo.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    plan = plan_from_config(cfg, gpu_memory_gib=args.gpu_memory_gb, overhead_gib=args.overhead_gb)
+    print(format_plan(plan))
+    try:
+        check_fits(plan)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    print("fits")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""launch/ray_job.sh and launch/runtime_env.yaml: the submit command and its defaults, the runtime
+env kept in step with pyproject.toml, and a real submission to a Ray head started on loopback.
+
+The real submission runs the tiny recipe with --print-config (the job's log must hold the resolved
+config). Once `make train` runs a real step, switching to one training step is a one-line change:
+replace "--print-config" below with "trainer.total_training_steps=1"."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "launch" / "ray_job.sh"
+VENV_BIN = Path(sys.executable).parent
+
+
+def _run(*args, **env_changes):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_IP", "WORKING_DIR", "RUNTIME_ENV", "DRY_RUN", "RAY_JOB_SUBMIT_ARGS")}
+    env.update(env_changes)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_dry_run_defaults_follow_the_dapo_recipe_variables():
+    proc = _run("--dry-run", "configs/tiny_cpu.yaml", "actor.lr=1e-4")
+    assert proc.returncode == 0, proc.stderr
+    assert shlex.split(proc.stdout) == [
+        "ray", "job", "submit", "--address", "http://localhost:8265", "--runtime-env",
+        str(REPO / "launch" / "runtime_env.yaml"), "--working-dir", str(REPO), "--", "python", "-m",
+        "megatron_dapo.train", "--config", "configs/tiny_cpu.yaml", "actor.lr=1e-4"]
+
+
+def test_ray_ip_and_explicit_variables_override_the_defaults(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "r.yaml").write_text("{}\n")
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text("env_vars: {}\n")
+    argv = shlex.split(_run("configs/r.yaml", RAY_IP="10.1.2.3", WORKING_DIR=str(tmp_path), RUNTIME_ENV=str(env_file),
+                            DRY_RUN="1", RAY_JOB_SUBMIT_ARGS="--no-wait --submission-id s1").stdout)
+    assert argv[:9] == ["ray", "job", "submit", "--address", "http://10.1.2.3:8265", "--runtime-env", str(env_file),
+                        "--working-dir", str(tmp_path)]
+    assert argv[9:12] == ["--no-wait", "--submission-id", "s1"]
+    assert "http://10.9.9.9:8265" in _run("--dry-run", "configs/tiny_cpu.yaml", RAY_ADDRESS="http://10.9.9.9:8265",
+                                          RAY_IP="10.1.2.3").stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {}, "usage: launch/ray_job.sh"),
+    (["configs/missing.yaml"], {}, "recipe configs/missing.yaml not found under WORKING_DIR"),
+    (["configs/tiny_cpu.yaml"], {"RUNTIME_ENV": "/nonexistent.yaml"}, "RUNTIME_ENV=/nonexistent.yaml not found"),
+])
+def test_bad_arguments_exit_2_with_the_reason(args, env, message):
+    proc = _run("--dry-run", *args, **env)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def _requirement_names(specs):
+    return {re.split(r"[<>=!~\[ ]", s, maxsplit=1)[0].lower(): s for s in specs}
+
+
+def test_runtime_env_pip_list_matches_pyproject_minus_the_image_stack():
+    runtime_env = yaml.safe_load((REPO / "launch" / "runtime_env.yaml").read_text())
+    assert set(runtime_env) == {"env_vars", "pip", "excludes"}
+    assert all(isinstance(v, str) for v in runtime_env["env_vars"].values())       # Ray requires strings
+    assert runtime_env["env_vars"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = {name: spec.split("#")[0].strip() for name, spec in _requirement_names(pyproject).items()}
+    for from_image in ("torch", "triton", "ray"):
+        project.pop(from_image)
+    assert _requirement_names(runtime_env["pip"]["packages"]) == project
+    assert "/models/" in runtime_env["excludes"] and "/data/" not in runtime_env["excludes"]
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _session_pids(sid):
+    """Processes in session `sid` (the session our `ray start` leads), from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def ray_head():
+    """A one-CPU Ray head on loopback in its own session; stopped by pid (never `ray stop`, which
+    would end every Ray instance of this user on the machine)."""
+    gcs, dashboard, client = _free_ports(3)
+    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")      # short: Ray's socket paths have a length limit
+    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+           "--num-cpus=1", "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    log = open(Path(temp) / "head.log", "w")
+    head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", dashboard), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "Ray dashboard did not come up in 120 s"
+                time.sleep(1)
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        head.send_signal(signal.SIGTERM)                     # `ray start --block` stops its processes
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in _session_pids(head.pid):                  # stragglers of our session only
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(ray_head, tmp_path):
+    runtime_env = tmp_path / "runtime_env.yaml"                 # env vars only: no pip, no network
+    runtime_env.write_text("env_vars:\n  OMP_NUM_THREADS: \"1\"\n")
+    env = dict(RAY_ADDRESS=ray_head, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
+               PYTHON=sys.executable)
+    ok = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.experiment_name=ray_job_test", **env)
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert "experiment_name: ray_job_test" in ok.stdout and "succeeded" in ok.stdout + ok.stderr
+    bad = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.no_such_key=1", **env)
+    assert bad.returncode != 0
+    assert "trainer.no_such_key" in bad.stdout + bad.stderr

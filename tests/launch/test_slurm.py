@@ -1,0 +1,177 @@
+"""launch/slurm/dapo_16x8_h800.sbatch: the dry run per node (16 nodes x 8 ranks, one rendezvous
+endpoint, one Ray head and 15 workers, per-node logs), argument checks, and the real launch path
+with stand-ins for srun / ray / torchrun / python that record what they were asked to do.
+
+`scontrol` and `getent` are replaced by small scripts on PATH: the node list is an explicit list of
+16 host names, and node h800-NN resolves to 10.0.0.NN."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "launch" / "slurm" / "dapo_16x8_h800.sbatch"
+NODES = [f"h800-{i:02d}" for i in range(1, 17)]
+HEAD_IP = "10.0.0.1"
+
+SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames a,b,c -> one name per line (the test gives explicit lists, no ranges)
+[[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unexpected $*" >&2; exit 1; }
+tr ',' '\\n' <<<"$3"
+"""
+GETENT = """#!/usr/bin/env bash
+# getent hosts h800-NN -> 10.0.0.NN
+[[ "$1" == hosts && "$2" =~ ^h800-0*([0-9]+)$ ]] || exit 2
+echo "10.0.0.${BASH_REMATCH[1]} $2"
+"""
+# Stand-ins for the real run: each records its arguments; `ray start --block` waits to be killed,
+# a trainer exits with the status named in FAKE_TRAINER_RC_<node> (default 0).
+SRUN = """#!/usr/bin/env bash
+node=""
+for a in "$@"; do [[ "$a" == --nodelist=* ]] && node=${a#--nodelist=}; done
+while [[ "$1" == --* ]]; do shift; done
+echo "srun on $node: $*" >>"$FAKE_RECORD"
+echo "output of $1 on $node"
+if [[ " $* " == *" --block "* ]]; then exec sleep 60; fi
+rc_var="FAKE_TRAINER_RC_${node//-/_}"
+exit "${!rc_var:-0}"
+"""
+# The wait for Ray: like the real one, it returns once $4 `ray start` steps are up (here: recorded).
+PYTHON = """#!/usr/bin/env bash
+deadline=$((SECONDS + 10))
+until (( $( { cat "$FAKE_RECORD" 2>/dev/null || true; } | grep -c "ray start") >= $4 )); do
+    (( SECONDS < deadline )) || { echo "fake python: no $4 ray nodes" >&2; exit 1; }
+    sleep 0.05
+done
+echo "python $4 nodes at $3" >>"$FAKE_RECORD"
+"""
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"scontrol": SCONTROL, "getent": GETENT, "srun": SRUN, "fake-python": PYTHON}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def _run(fake_bin, tmp_path, *args, **env_changes):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RAY_"))}
+    env.update(PATH=f"{fake_bin}:{env['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NODELIST=",".join(NODES),
+               SLURM_JOB_NUM_NODES="16", SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96",
+               SLURM_SUBMIT_DIR=str(REPO), FAKE_RECORD=str(tmp_path / "record.txt"))
+    env.update({k: v for k, v in env_changes.items() if v is not None})
+    for k in [k for k, v in env_changes.items() if v is None]:
+        env.pop(k, None)
+    return subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+HEADER = re.compile(r"^\[node (\d+)/(\d+) (\S+)\] node_rank=(\d+) nproc_per_node=(\d+) rdzv_endpoint=(\S+) "
+                    r"ray_address=(\S+) log=(\S+)$")
+COMMAND = re.compile(r"^\[node (\d+)/16 (\S+)\] (ray-head|ray-worker|trainer): (.*) >> (\S+) 2>&1$")
+
+
+def _commands(stdout):
+    """{role: [(node index, node name, argv, log)]} from the dry-run lines."""
+    out = {"ray-head": [], "ray-worker": [], "trainer": []}
+    for line in stdout.splitlines():
+        m = COMMAND.match(line)
+        if m:
+            out[m.group(3)].append((int(m.group(1)), m.group(2), shlex.split(m.group(4)), m.group(5)))
+    return out
+
+
+def test_dry_run_prints_every_node_with_rank_rendezvous_and_ray_address(fake_bin, tmp_path):
+    proc = _run(fake_bin, tmp_path, "--dry-run", "actor.lr=2e-6")
+    assert proc.returncode == 0, proc.stderr
+    headers = [HEADER.match(line).groups() for line in proc.stdout.splitlines() if HEADER.match(line)]
+    assert [(int(i), int(n), name, int(rank)) for i, n, name, rank, *_ in headers] == \
+        [(i, 16, NODES[i], i) for i in range(16)]
+    assert {(h[4], h[5], h[6]) for h in headers} == {("8", f"{HEAD_IP}:29500", f"{HEAD_IP}:6379")}
+    assert [h[7] for h in headers] == [f"logs/777/node-{n}.log" for n in NODES]
+    assert "0.0.0.0" not in proc.stdout
+    assert not (tmp_path / "record.txt").exists() and not (REPO / "logs" / "777").exists()   # ran nothing
+
+
+def test_dry_run_ray_head_on_first_node_workers_on_the_rest(fake_bin, tmp_path):
+    cmds = _commands(_run(fake_bin, tmp_path, "--dry-run").stdout)
+    ((idx, node, argv, log),) = cmds["ray-head"]
+    assert (idx, node, log) == (0, NODES[0], f"logs/777/node-{NODES[0]}.log")
+    ray = argv[argv.index("ray"):]
+    assert ray == ["ray", "start", "--head", f"--node-ip-address={HEAD_IP}", "--port=6379",
+                   f"--dashboard-host={HEAD_IP}", "--dashboard-port=8265", "--num-gpus=8",
+                   "--disable-usage-stats", "--block"]
+    assert f"--nodelist={NODES[0]}" in argv and "--overlap" in argv
+    assert [(i, n) for i, n, _, _ in cmds["ray-worker"]] == list(enumerate(NODES))[1:]
+    for _, node, argv, _ in cmds["ray-worker"]:
+        assert argv[argv.index("ray"):] == ["ray", "start", f"--address={HEAD_IP}:6379", "--num-gpus=8",
+                                            "--disable-usage-stats", "--block"]
+        assert f"--nodelist={node}" in argv
+
+
+def test_dry_run_trainer_per_node_is_torchrun_c10d_on_the_head(fake_bin, tmp_path):
+    cmds = _commands(_run(fake_bin, tmp_path, "--dry-run", "actor.lr=2e-6", "trainer.save_freq=5").stdout)
+    assert [(i, n) for i, n, _, _ in cmds["trainer"]] == list(enumerate(NODES))
+    for _, node, argv, log in cmds["trainer"]:
+        assert argv[:1] == ["srun"] and f"--nodelist={node}" in argv and "--cpus-per-task=96" in argv
+        assert argv[argv.index("torchrun"):] == [
+            "torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={HEAD_IP}:29500", "--rdzv_id=777", "--max_restarts=0", "-m", "megatron_dapo.train",
+            "--config", "configs/dapo_qwen2.5_32b.yaml", "trainer.nnodes=16", "trainer.n_gpus_per_node=8",
+            "actor.lr=2e-6", "trainer.save_freq=5"]
+        assert log == f"logs/777/node-{node}.log"
+
+
+def test_dry_run_env_var_equals_flag_and_overrides_apply(fake_bin, tmp_path):
+    flag = _run(fake_bin, tmp_path, "--dry-run").stdout
+    assert _run(fake_bin, tmp_path, DRY_RUN="1").stdout == flag
+    custom = _run(fake_bin, tmp_path, DRY_RUN="1", RECIPE="configs/dapo_qwen3_30b_a3b.yaml", NPROC_PER_NODE="4",
+                  HEAD_IP="192.168.7.7", RDZV_PORT="29600", LOG_DIR="mylogs")
+    cmds = _commands(custom.stdout)
+    argv = cmds["trainer"][5][2]
+    assert "configs/dapo_qwen3_30b_a3b.yaml" in argv and "--nproc_per_node=4" in argv
+    assert "--rdzv_endpoint=192.168.7.7:29600" in argv and "trainer.n_gpus_per_node=4" in argv
+    assert "--num-gpus=4" in cmds["ray-head"][0][2] and cmds["trainer"][5][3] == f"mylogs/node-{NODES[5]}.log"
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["trainer.nnodes=4"], {}, "trainer.nnodes=4: the node and GPU counts come from the allocation"),
+    ([], {"SLURM_JOB_NODELIST": None}, "not inside a Slurm allocation"),
+    ([], {"SLURM_JOB_NUM_NODES": "8"}, "SLURM_JOB_NUM_NODES=8 but SLURM_JOB_NODELIST expands to 16 hosts"),
+    ([], {"RECIPE": "configs/missing.yaml"}, "RECIPE=configs/missing.yaml not found"),
+    ([], {"NPROC_PER_NODE": "eight"}, "NPROC_PER_NODE must be a positive integer"),
+    ([], {"SLURM_JOB_NODELIST": "node-x"}, "cannot resolve head node 'node-x'"),
+])
+def test_bad_launch_settings_exit_2_naming_the_setting(fake_bin, tmp_path, args, env, message):
+    env = {"SLURM_JOB_NUM_NODES": None if "SLURM_JOB_NODELIST" in env else "16", **env}
+    proc = _run(fake_bin, tmp_path, "--dry-run", *args, **env)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_status(fake_bin, tmp_path):
+    nodes = NODES[:3]
+    proc = _run(fake_bin, tmp_path, "x.y=1", SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES="3",
+                PYTHON=str(fake_bin / "fake-python"), LOG_DIR=str(tmp_path / "logs" / "777"),
+                **{"FAKE_TRAINER_RC_h800_02": "3"})
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    record = (tmp_path / "record.txt").read_text().splitlines()
+    # Order: head, wait for 1 node, workers, wait for all 3, then one trainer per node.
+    assert record[0].startswith(f"srun on {nodes[0]}: ray start --head")
+    assert record[1] == f"python 1 nodes at {HEAD_IP}:6379"
+    assert sorted(record[2:4]) == [f"srun on {n}: ray start --address={HEAD_IP}:6379 --num-gpus=8 "
+                                   "--disable-usage-stats --block" for n in nodes[1:]]
+    assert record[4] == f"python 3 nodes at {HEAD_IP}:6379"
+    assert sorted(r.split(":")[0] for r in record[5:]) == [f"srun on {n}" for n in nodes]
+    assert all(" torchrun --nnodes=3 " in r and r.endswith("trainer.n_gpus_per_node=8 x.y=1") for r in record[5:])
+    for node in nodes:
+        log = (tmp_path / "logs" / "777" / f"node-{node}.log").read_text()
+        assert f"output of torchrun on {node}" in log and f"output of ray on {node}" in log

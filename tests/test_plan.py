@@ -1,0 +1,295 @@
+"""The memory planner (megatron_dapo.plan): parameter shards by hand and against count_parameters,
+activation formulas in closed form, the shipped recipes fit 80 GiB, an oversized config is refused
+with its numbers, and the tiny actor's measured parameter / gradient / optimizer bytes equal the plan."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo import plan as plan_mod
+from megatron_dapo.config import load_config
+from megatron_dapo.models.arch import ModelArch, count_parameters, get_arch
+from megatron_dapo.plan import (
+    GIB,
+    check_fits,
+    count_shards,
+    format_plan,
+    layer_activation_bytes_per_token,
+    main,
+    plan_from_config,
+    plan_memory,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+SHIPPED = ["configs/dapo_qwen2.5_32b.yaml", "configs/dapo_wo_ds_qwen2.5_32b.yaml",
+           "configs/dapo_early_qwen2.5_32b.yaml", "configs/dapo_qwen3_30b_a3b.yaml"]
+
+
+def _cfg(path, *overrides):
+    return load_config(str(REPO / path), list(overrides))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe", "qwen2.5-32b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("variant", [{}, {"mtp_num_layers": 1}, {"untie_embeddings_and_output_weights": False}])
+def test_unsharded_count_equals_arch_count_parameters(name, variant):
+    arch = get_arch(name, **variant)
+    (only,) = count_shards(arch)
+    assert only.dense + only.expert == count_parameters(arch)["total"]
+
+
+def test_qwen25_32b_shards_at_tp8_pp2_by_hand():
+    # Qwen2.5-32B: h 5120, 40 heads x 128, 8 KV heads, ffn 27648, vocab 152064, QKV bias, untied.
+    h, q, kv, f, v, tp = 5120, 5120, 1024, 27648, 152064, 8
+    attention = (h * (q + 2 * kv) + q * h + (q + 2 * kv)) // tp          # 7,865,216
+    mlp = (h * 2 * f + f * h) // tp                                       # 53,084,160
+    layer = attention + mlp + 2 * h                                       # + 2 RMSNorms (replicated)
+    embedding = v // tp * h
+    first, last = count_shards(get_arch("qwen2.5-32b"), tp=tp, pp=2)
+    assert (first.dense, first.expert) == (32 * layer + embedding, 0) == (2_048_028_672, 0)
+    assert last.dense == 32 * layer + embedding + h == 2_048_033_792     # output layer + final norm
+    assert first.layers == tuple(range(32)) and last.layers == tuple(range(32, 64))
+
+
+def test_moe_experts_split_over_ep_and_etp_router_replicated():
+    # Qwen3-30B-A3B: h 2048, 32 heads / 4 KV heads x 128, 128 experts of 768, QK-norm, vocab 151936.
+    h, q, kv, e, fe, hd, v = 2048, 4096, 512, 128, 768, 128, 151936
+    arch = get_arch("qwen3-30b-a3b")
+    (r,) = count_shards(arch, tp=2, ep=8, etp=1)
+    attention = (h * (q + 2 * kv) + q * h) // 2                           # TP-sharded
+    replicated = 2 * h + 2 * hd + h * e                                   # norms, QK-norms, router
+    assert r.dense == 48 * (attention + replicated) + 2 * (v // 2) * h + h
+    assert r.expert == 48 * (e // 8) * 3 * h * fe                         # 16 whole experts per GPU
+    (r_etp2,) = count_shards(arch, tp=2, ep=8, etp=2)
+    assert r_etp2.expert * 2 == r.expert and r_etp2.dense == r.dense
+
+
+def test_interleaved_stages_hold_round_robin_layers():
+    assert plan_mod.layers_of_rank(8, pp=2, vpp=2, pp_rank=0) == (0, 1, 4, 5)
+    assert plan_mod.layers_of_rank(8, pp=2, vpp=2, pp_rank=1) == (2, 3, 6, 7)
+    with pytest.raises(ValueError, match="not divisible by PP\\*VPP"):
+        plan_mod.layers_of_rank(6, pp=2, vpp=2, pp_rank=0)
+
+
+SMALL = ModelArch(name="small", num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                  num_query_groups=1, vocab_size=32, max_position_embeddings=64)
+
+
+def test_activation_bytes_per_token_closed_form():
+    # a = 2 B; 4h = 32 norm/linear inputs; Q+O 2q = 16, K+V 2kv = 8; LSE 4 B x 2 heads; MLP 2f + f = 48.
+    assert layer_activation_bytes_per_token(SMALL, moe=False, tp=1, etp=1, sequence_parallel=False,
+                                            act_bytes=2) == 2 * (32 + 24) + 8 + 2 * 48 == 216
+    # TP 2 without SP: only the TP-sharded parts halve; with SP everything does.
+    assert layer_activation_bytes_per_token(SMALL, moe=False, tp=2, etp=2, sequence_parallel=False,
+                                            act_bytes=2) == 2 * (32 + 12) + 4 + 48 == 140
+    assert layer_activation_bytes_per_token(SMALL, moe=False, tp=2, etp=2, sequence_parallel=True,
+                                            act_bytes=2) == 216 / 2
+
+
+def test_moe_activation_closed_form():
+    moe = ModelArch(name="m", num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                    num_query_groups=1, vocab_size=32, max_position_embeddings=64, num_moe_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=4)
+    # attention part 2*(32+24)+8 = 120; router fp32 logits+probs 8*E = 32; per routed copy 2*(2h + 3*fe) = 56.
+    assert layer_activation_bytes_per_token(moe, moe=True, tp=1, etp=1, sequence_parallel=False,
+                                            act_bytes=2) == 120 + 32 + 2 * 56
+
+
+def _small_plan(**kw):
+    args = dict(world_size=1, params_dtype="bf16", max_tokens_per_microbatch=100, max_seq_len=50,
+                use_distributed_optimizer=False, rollout_engine="sglang", rollout_tp=1,
+                gpu_memory_utilization=0.5, gpu_memory=GIB, overhead=0)
+    args.update(kw)
+    return plan_memory(SMALL, **args)
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer():
+    none, full = _small_plan(recompute="none"), _small_plan(recompute="full")
+    assert none.actor_activations == 100 * 2 * 216
+    assert full.actor_activations == 100 * (2 * 2 * 8 + 216)             # 2 layers x a*h, + 1 layer at work
+
+
+def test_pipeline_rank0_holds_pp_microbatches_and_is_the_busiest():
+    arch = get_arch("tiny", vocab_size=18)
+    one = plan_memory(arch, world_size=1, max_tokens_per_microbatch=64, max_seq_len=28, overhead=0)
+    two = plan_memory(arch, world_size=2, pp=2, max_tokens_per_microbatch=64, max_seq_len=28, overhead=0)
+    per_layer = layer_activation_bytes_per_token(arch, moe=False, tp=1, etp=1, sequence_parallel=False, act_bytes=2)
+    assert one.actor_activations == math.ceil(64 * 4 * per_layer)
+    assert (two.pp_rank, two.in_flight) == (0, 2.0)
+    assert two.actor_activations == math.ceil(64 * 2 * per_layer * 2)   # 2 layers, 2 micro-batches in flight
+
+
+def test_optimizer_bytes_per_param_and_distributed_sharding():
+    bf16 = _small_plan(world_size=4, use_distributed_optimizer=True)
+    n = bf16.params_per_gpu
+    assert (bf16.actor_params, bf16.actor_grads) == (2 * n, 4 * n)
+    assert bf16.actor_optimizer_replicated == 12 * n                    # fp32 master + m + v
+    assert bf16.actor_optimizer == bf16.actor_optimizer_distributed == math.ceil(12 * n / 4)
+    fp32 = _small_plan(params_dtype="fp32")
+    assert fp32.actor_optimizer == 8 * n and fp32.actor_params == 4 * n  # params are the master copy
+
+
+def test_colocated_kv_pool_shrinks_by_resident_training_state():
+    colo, disagg = _small_plan(rollout_mode="colocate"), _small_plan(rollout_mode="disaggregate")
+    assert disagg.rollout_kv_cache - colo.rollout_kv_cache == colo.resident_train_state
+    # KV per token: 2 (K, V) x 2 layers x 1 KV head x head_dim 4 x 2 B = 32 B.
+    assert disagg.rollout_kv_tokens == (int(0.5 * GIB) - disagg.rollout_weights) // 32
+    assert colo.peak == max(colo.train_peak, colo.rollout_peak)
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_shipped_recipes_fit_80gib_h800(recipe):
+    plan = plan_from_config(_cfg(recipe), gpu_memory_gib=80)
+    check_fits(plan)
+    assert plan.train_peak < 80 * GIB and plan.rollout_peak <= 80 * GIB
+    assert plan.rollout_kv_tokens > 20 * plan.max_seq_len                # room for many full sequences
+    assert "= peak per GPU" in format_plan(plan)
+
+
+def test_oversized_config_is_refused_naming_components_and_numbers():
+    cfg = _cfg("configs/dapo_qwen2.5_32b.yaml", "parallel.tensor_model_parallel_size=1",
+               "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false",
+               "rollout.gpu_memory_utilization=0.3")
+    plan = plan_from_config(cfg, gpu_memory_gib=80)
+    with pytest.raises(ValueError) as err:
+        check_fits(plan)
+    msg = str(err.value)
+    assert f"actor training (pipeline rank 0) needs {plan.train_peak / GIB:.2f} GiB > GPU 80.00 GiB" in msg
+    assert f"params {plan.actor_params / GIB:.2f} GiB" in msg and f"grads {plan.actor_grads / GIB:.2f} GiB" in msg
+    assert plan.actor_params == 2 * count_parameters(get_arch("qwen2.5-32b"))["total"]
+    assert "rollout KV cache holds 0 tokens < one sequence of 22528" in msg
+
+
+def test_every_plan_input_comes_from_its_config_field(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(plan_mod, "plan_memory", lambda arch, **kw: seen.update(kw) or "plan")
+    cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "parallel.context_parallel_size=2",
+               "actor.use_distributed_optimizer=false", "actor.use_fused_kernels=false", "actor.use_kl_loss=true",
+               "rollout.mode=disaggregate", "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
+               "rollout.gpu_memory_utilization=0.7", "actor.max_tokens_per_microbatch=30000",
+               "parallel.sequence_parallel=true")
+    assert plan_from_config(cfg, arch=get_arch("qwen3-30b-a3b"), gpu_memory_gib=96, overhead_gib=2) == "plan"
+    assert seen == dict(
+        world_size=128, tp=2, pp=1, cp=2, ep=8, etp=1, vpp=None, sequence_parallel=True, params_dtype="bf16",
+        use_distributed_optimizer=False, grad_reduce_in_fp32=True, max_tokens_per_microbatch=30000,
+        recompute="selective", fused_logits=False, needs_reference=True, rollout_engine="sglang",
+        rollout_mode="disaggregate", rollout_tp=4, gpu_memory_utilization=0.7, speculative=True,
+        max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB)
+
+
+def test_cli_exit_codes_fit_refuse_and_config_error(capsys):
+    assert main(["--config", str(REPO / "configs/dapo_qwen2.5_32b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "actor optimizer" in out and "rollout KV cache" in out and out.rstrip().endswith("fits")
+    assert main(["--config", str(REPO / "configs/dapo_qwen2.5_32b.yaml"), "--gpu-memory-gb", "16"]) == 1
+    assert "configuration does not fit: actor training" in capsys.readouterr().err
+    assert main(["--config", str(REPO / "configs/tiny_cpu.yaml"), "actor.nope=1"]) == 2
+
+
+# --- measured: the real Megatron actor (workers/build.py) against the plan ------------------------
+
+MEASURE = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+from megatron_dapo.config import load_config
+from megatron_dapo.workers.build import build_actor
+from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
+
+
+def measure(overrides):
+    cfg = load_config("configs/tiny_cpu.yaml", overrides)
+    par = cfg.parallel
+    pgs = init_parallel(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                        ep=par.expert_model_parallel_size, etp=par.expert_tensor_parallel_size)
+    actor = build_actor(cfg, pgs, vocab_size=18, pad_id=0)
+    chunks, opt = actor.policy.chunks, actor.optimizer
+    params = [p for c in chunks for p in c.parameters()]
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                for c in chunks for b in list(c.buffers) + list(c.expert_parallel_buffers))
+    ok = opt.step()[0]                       # zero grads; creates Adam's lazily built state
+    adam = master = 0
+    for o in opt.chained_optimizers:
+        for s in o.optimizer.state.values():
+            adam += sum(v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        for g in o.optimizer.param_groups:   # fp32 copies that are not the model's own tensors
+            master += sum(p.numel() * p.element_size() for p in g["params"]
+                          if p.untyped_storage().data_ptr() not in model_storages)
+    destroy_parallel()
+    return {"ok": bool(ok), "tensors": len(params), "params": sum(p.numel() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "grad_bytes": grads, "optimizer_bytes": adam + master}
+
+
+results = [measure(c) for c in json.loads(sys.argv[1])]
+if dist.is_initialized() and dist.get_world_size() > 1:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+else:
+    gathered = [results]
+if not dist.is_initialized() or dist.get_rank() == 0:
+    print("RESULT " + json.dumps(gathered))
+'''
+
+
+def _measure(tmp_path, cases, nproc=1):
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE)
+    launcher = [PYTHON] if nproc == 1 else [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                                             f"--nproc_per_node={nproc}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(launcher + [str(script), json.dumps(cases)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _expect(overrides):
+    plan = plan_from_config(_cfg("configs/tiny_cpu.yaml", *overrides))
+    return {"ok": True, "params": plan.params_per_gpu, "param_bytes": plan.actor_params,
+            "grad_bytes": plan.actor_grads, "optimizer_bytes": plan.actor_optimizer}
+
+
+def test_tiny_actor_measured_sizes_equal_the_plan(tmp_path):
+    cases = [["model.params_dtype=bf16", "actor.use_distributed_optimizer=false"],
+             ["model.params_dtype=fp32", "actor.use_distributed_optimizer=false"]]
+    (measured,) = _measure(tmp_path, cases)
+    for m in measured:
+        m.pop("tensors")
+    assert measured == [_expect(c) for c in cases]
+    assert measured[0]["optimizer_bytes"] == 12 * measured[0]["params"]
+
+
+@pytest.mark.multiproc
+def test_two_rank_shards_measured_equal_the_plan(tmp_path):
+    """TP=2 halves the sharded weights; the distributed optimizer halves the state over DP=2; EP=2
+    splits the experts while their optimizer state stays whole (expert DP = 1)."""
+    base = ["trainer.n_gpus_per_node=2", "model.params_dtype=bf16"]
+    cases = [base + ["parallel.tensor_model_parallel_size=2", "actor.use_distributed_optimizer=false"],
+             base + ["actor.use_distributed_optimizer=true"],
+             base + ["model.arch=tiny_moe", "parallel.expert_model_parallel_size=2",
+                     "actor.use_distributed_optimizer=true"]]
+    rank0, rank1 = _measure(tmp_path, cases, nproc=2)
+    assert rank0 == rank1
+    for case, measured in zip(cases, rank0):
+        expected = _expect(case)
+        # The distributed optimizer's buffers start every parameter at a multiple of 64 elements (and
+        # pad buckets to lcm(DP, 128)): fp32 grads grow by less than 64 * 4 B per tensor.
+        pad = measured.pop("grad_bytes") - expected.pop("grad_bytes")
+        assert 0 <= pad < 64 * 4 * measured.pop("tensors")
+        assert measured == expected
+
+
+def test_sequence_parallel_none_means_on_when_tp_above_one():
+    for tp, resolved in ((1, False), (2, True)):
+        auto = _small_plan(world_size=tp, tp=tp, sequence_parallel=None)
+        assert auto == _small_plan(world_size=tp, tp=tp, sequence_parallel=resolved)
