@@ -21,6 +21,7 @@ import torch
 
 from megatron_dapo.config import Config, resolve_rollout_correction
 from megatron_dapo.metrics import (
+    MoELoadBalanceAccumulator,
     StageTimer,
     compute_data_metrics,
     compute_spec_decode_metrics,
@@ -136,6 +137,8 @@ class DAPOTrainer:
                 lp = p.actor.compute_log_prob(*seqs, with_sum_sq=True)
                 old, sum_sq = lp.log_probs, lp.sum_sq_probs
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                if lp.routed_counts is not None:
+                    MoELoadBalanceAccumulator.from_counts(lp.routed_counts).add_to_metrics(metrics)
         is_weights = None
         if not rc["bypass_mode"] and (rc["rollout_is"] or rc["rollout_rs"]):
             is_weights, mask, rc_metrics = stages.rollout_correction(old, rb.rollout_log_probs, mask, rc)

@@ -27,7 +27,7 @@ from torch import Tensor
 from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
 from megatron_dapo.config.schema import ActorConfig
-from megatron_dapo.models.forward import main_logits
+from megatron_dapo.models.forward import main_logits, unwrap_model
 from megatron_dapo.trainer.batch import PolicyBatch
 from megatron_dapo.workers.logprob import logprob_entropy_from_logits
 from megatron_dapo.workers.microbatch import MicroBatch, make_microbatches, scatter_rows, to_response_aligned
@@ -38,6 +38,7 @@ class LogProbs:
     log_probs: Tensor  # [B, T] float32
     entropy: Tensor | None  # [B, T] float32
     sum_sq_probs: Tensor | None  # [B, T] float32, sum_v p_v^2 (variance proxy)
+    routed_counts: Tensor | None = None  # [L, E] int64: MoE assignments of response tokens per layer/expert
 
 
 def dp_shard_rows(lengths: list[int], dp_size: int, dp_rank: int, *, balance: bool) -> list[int]:
@@ -94,6 +95,39 @@ class PolicyModel:
         return (logp.view(b, width), None if ent is None else ent.view(b, width),
                 None if sq is None else sq.view(b, width))
 
+    # -- MoE routing counts (load-balance metrics) -------------------------------------------------
+    def _routers(self) -> list:
+        """The decoder's MoE routers (MTP layers excluded: they are the drafter, not the policy)."""
+        return [m for c in self.chunks for name, m in unwrap_model(c).named_modules()
+                if type(m).__name__ == "TopKRouter" and not name.startswith("mtp.")]
+
+    def _count_routing(self, routers: list, counts: list, current: list):
+        """Forward hooks adding each router's assignments of response tokens to counts[layer].
+
+        The router sees the micro-batch flattened sequence-first ([s, b] order; under sequence
+        parallelism only this TP rank's sequence shard), so the response mask is laid out alike."""
+        def make_hook(layer: int):
+            def hook(module, args, output):
+                routing_map = output[1]  # [tokens, E] bool
+                mask = current[0]
+                if mask is None or routing_map.shape[0] != mask.numel():
+                    return
+                counts[layer] += (routing_map.to(torch.int64) * mask.to(routing_map.device).unsqueeze(1)).sum(0).cpu()
+            return hook
+
+        return [r.register_forward_hook(make_hook(i)) for i, r in enumerate(routers)]
+
+    def _response_token_mask(self, mb: MicroBatch) -> Tensor:
+        """[s*b] int mask of response input tokens, flattened sequence-first, this rank's SP shard."""
+        b, S = mb.input_ids.shape
+        pos = torch.arange(S).unsqueeze(0)
+        start = mb.resp_start.unsqueeze(1) + 1
+        mask = ((pos >= start) & (pos < mb.seq_len.unsqueeze(1))).to(torch.int64).t()  # [S, b]
+        if unwrap_model(self.chunks[0]).config.sequence_parallel and self.pgs.tp_size > 1:
+            shard = S // self.pgs.tp_size
+            mask = mask[self.pgs.tp_rank * shard:(self.pgs.tp_rank + 1) * shard]
+        return mask.reshape(-1)
+
     # -- the schedule ----------------------------------------------------------------------------
     def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -122,6 +156,17 @@ class PolicyModel:
                                 max_tokens=self.max_tokens, pad_id=self.pad_id, sort_by_length=True,
                                 seq_multiple=self.seq_multiple)
         out = {k: torch.zeros(B, T) for k in ("lp", "ent", "sq")}
+        routers = self._routers() if self.pgs.pp_size == 1 else []  # per-stage layers: PP not counted
+        current: list = [None]
+        counts = [torch.zeros(r.config.num_moe_experts, dtype=torch.int64) for r in routers]
+        hooks = self._count_routing(routers, counts, current)
+        mb_iter = iter(mbs)
+
+        def next_mask(module, args):
+            current[0] = self._response_token_mask(next(mb_iter))
+
+        if routers:
+            hooks.append(unwrap_model(self.chunks[0]).register_forward_pre_hook(next_mask))
 
         def loss_func(mb, output):
             lp, ent, sq = self.token_stats(output, mb, T, entropy=with_entropy, sum_sq=with_sum_sq)
@@ -132,14 +177,29 @@ class PolicyModel:
 
         for m in self.chunks:
             m.eval()
-        self.run(mbs, loss_func, forward_only=True)
+        try:
+            self.run(mbs, loss_func, forward_only=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        routed = self._reduce_counts(counts) if routers else None
         stacked = torch.stack([out["lp"], out["ent"], out["sq"]]).to(self.pgs.device)
         if self.pgs.pp_size > 1:  # only the last stage computed them
             dist.broadcast(stacked, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
         if self.pgs.dp_size > 1:  # disjoint rows: a sum is a gather
             dist.all_reduce(stacked, group=self.pgs.dp)
         stacked = stacked.cpu()
-        return LogProbs(stacked[0], stacked[1] if with_entropy else None, stacked[2] if with_sum_sq else None)
+        return LogProbs(stacked[0], stacked[1] if with_entropy else None, stacked[2] if with_sum_sq else None,
+                        routed_counts=routed)
+
+    def _reduce_counts(self, counts: list[Tensor]) -> Tensor:
+        total = torch.stack(counts).to(self.pgs.device)  # [L, E]
+        if self.pgs.dp_size > 1:  # disjoint rows
+            dist.all_reduce(total, group=self.pgs.dp)
+        sp = unwrap_model(self.chunks[0]).config.sequence_parallel
+        if sp and self.pgs.tp_size > 1:  # each TP rank routed its own sequence shard
+            dist.all_reduce(total, group=self.pgs.tp)
+        return total.cpu()
 
 
 class Actor:

@@ -109,3 +109,12 @@ def test_crash_between_generation_batches_resumes_without_regenerating(tmp_path,
     assert _dumped_uids(tmp_path / "a/dumps", 2) == _dumped_uids(tmp_path / "b/dumps", 2)
     for name in ("actor/pg_loss", "actor/grad_norm", "train/num_gen_batches"):
         assert a[name][2] == b[name][2], name
+
+
+def test_moe_model_with_mtp_trains_and_logs_load_balance(tmp_path):
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=1", "trainer.experiment_name=moe", "model.arch=tiny_moe",
+               "model.mtp_num_layers=1", "trainer.test_freq=0", "trainer.val_before_train=false")
+    assert run(cfg) == 0
+    scalars = _scalars(tmp_path / "moe")
+    assert scalars["moe/num_layers"][1] == 4.0 and scalars["moe/load_imbalance/mean"][1] >= 1.0
+    assert scalars["rollout_corr/log_prob_abs_diff"][1] < 1e-5  # MTP heads do not leak into sampling

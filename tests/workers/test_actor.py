@@ -138,3 +138,20 @@ def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
     torch.testing.assert_close(dp2["params"], ref["params"], atol=1e-4, rtol=0)
     m = raw["response_mask"]
     torch.testing.assert_close(tp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
+
+
+def test_moe_routed_counts_cover_every_response_token_topk_times(pgs):
+    """Load-balance counts: each MoE layer assigns every response token to exactly top-k experts."""
+    a = make_actor(pgs, **{"model.arch": "tiny_moe"})
+    raw = random_batch(seed=4)
+    lp = a.compute_log_prob(raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"])
+    counts = lp.routed_counts
+    from megatron_dapo.models.arch import get_arch
+
+    arch = get_arch("tiny_moe")
+    assert counts.shape == (arch.num_layers, arch.num_moe_experts)
+    n_tokens = int(raw["response_length"].sum())
+    assert counts.sum(1).tolist() == [n_tokens * arch.moe_router_topk] * arch.num_layers
+    dense = make_actor(pgs)
+    assert dense.compute_log_prob(raw["prompt_ids"], raw["prompt_length"], raw["responses"],
+                                  raw["response_length"]).routed_counts is None
