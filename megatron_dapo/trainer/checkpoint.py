@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.trainer import faults
 
 LATEST = "latest_checkpointed_iteration.txt"
 INFLIGHT = "inflight.pt"
@@ -79,6 +80,7 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
         os.makedirs(os.path.join(tmp, "model"))
     _barrier()
     dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"))
+    faults.maybe_crash("checkpoint_write", step)
     if is_rank0:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     _barrier()

@@ -31,7 +31,7 @@ from megatron_dapo.metrics import (
 )
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.trainer import checkpoint as ckpt
-from megatron_dapo.trainer import stages
+from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
 from megatron_dapo.trainer.validate import validate
 
@@ -110,9 +110,11 @@ class DAPOTrainer:
             with timer("gen"):
                 rollout = stages.generate(p.engine, records, sampling(k), group_suffix=f"{step}.{k}",
                                           pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length)
+            faults.maybe_crash("generation", step)
             with timer("reward"):
                 scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
                                       reward_manager=p.reward_manager)
+            faults.maybe_crash("after_reward", step)
             self.buffer.add(scored)
             if self.buffer.ready() or not self.buffer.check_budget():
                 break
@@ -123,22 +125,32 @@ class DAPOTrainer:
 
     # -- old_log_prob, ref, adv, update --------------------------------------------------------------
     def _train_on(self, batch, step: int, timer) -> dict[str, float]:
-        cfg, p, rc = self.cfg, self.p, self.rc
+        cfg, p = self.cfg, self.p
         rb = batch.rollout
         mask = stages.loss_mask(batch, overlong_filter=cfg.reward.overlong_filter,
                                 max_response_length=cfg.data.max_response_length)
-        seqs = (rb.prompt_ids, rb.prompt_length, rb.responses, rb.response_length)
         metrics: dict[str, float] = {}
         sum_sq = None
         with timer("old_log_prob"):
-            if rc["bypass_mode"]:
+            if self.rc["bypass_mode"]:
                 old = rb.rollout_log_probs
             else:
-                lp = p.actor.compute_log_prob(*seqs, with_sum_sq=True)
+                lp = p.actor.compute_log_prob(rb.prompt_ids, rb.prompt_length, rb.responses, rb.response_length,
+                                              with_sum_sq=True)
                 old, sum_sq = lp.log_probs, lp.sum_sq_probs
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
                 if lp.routed_counts is not None:
                     MoELoadBalanceAccumulator.from_counts(lp.routed_counts).add_to_metrics(metrics)
+        faults.maybe_crash("after_old_log_prob", step)
+        metrics.update(self._train_from_old(batch, mask, old, sum_sq, step, timer, rc=self.rc))
+        return metrics
+
+    def _train_from_old(self, batch, mask, old, sum_sq, step: int, timer, *, rc: dict) -> dict[str, float]:
+        """Everything after old_log_prob: rollout correction, ref, values, adv, update_critic, update_actor
+        (shared by the sync and the queue trainer)."""
+        cfg, p = self.cfg, self.p
+        rb = batch.rollout
+        metrics: dict[str, float] = {}
         is_weights = None
         if not rc["bypass_mode"] and (rc["rollout_is"] or rc["rollout_rs"]):
             is_weights, mask, rc_metrics = stages.rollout_correction(old, rb.rollout_log_probs, mask, rc)
@@ -146,7 +158,8 @@ class DAPOTrainer:
         ref = None
         with timer("ref"):
             if p.reference is not None:
-                ref = p.reference.compute_log_prob(*seqs).log_probs
+                ref = p.reference.compute_log_prob(rb.prompt_ids, rb.prompt_length, rb.responses,
+                                                   rb.response_length).log_probs
         with timer("values"):
             pass  # no critic: GRPO-family estimators need no values
         with timer("adv"):
@@ -164,6 +177,7 @@ class DAPOTrainer:
                                      ref_log_probs=ref if cfg.actor.use_kl_loss else None, is_weights=is_weights)
             with timer("update_actor"):
                 actor_metrics = p.actor.update_policy(pb)
+            faults.maybe_crash("after_update_actor", step)
             metrics.update(actor_metrics)
             self.loss_history.append((step, actor_metrics["actor/pg_loss"]))
             if sum_sq is not None:

@@ -98,14 +98,14 @@ def build_parts(cfg: Config):
                         reference=None)
 
 
-def run(cfg: Config) -> int:
+def build_trainer(cfg: Config):
+    """Parts, the supervised warm-up, the reference (when a KL term is used), then the trainer:
+    the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
     from megatron_dapo.data.arithmetic import arithmetic_sft_examples
     from megatron_dapo.trainer.fit import DAPOTrainer
     from megatron_dapo.trainer.sft import sft_warmup
     from megatron_dapo.workers.build import build_reference
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    t0 = time.time()
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
@@ -117,7 +117,18 @@ def run(cfg: Config) -> int:
     if cfg.needs_reference:  # a frozen copy of the (warmed-up) initial policy
         parts.reference = build_reference(cfg, parts.pgs, vocab_size=parts.tokenizer.vocab_size,
                                           pad_id=parts.tokenizer.pad_id, actor=parts.actor)
-    trainer = DAPOTrainer(cfg, parts)
+    if cfg.queue.enable:
+        from megatron_dapo.trainer.queue_trainer import QueueTrainer
+
+        return QueueTrainer(cfg, parts)
+    return DAPOTrainer(cfg, parts)
+
+
+def run(cfg: Config) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t0 = time.time()
+    trainer = build_trainer(cfg)
+    parts = trainer.p
     try:
         val = trainer.fit()
     finally:
@@ -125,7 +136,8 @@ def run(cfg: Config) -> int:
         if parts.logger is not None:
             parts.logger.close()
     if parts.pgs.rank == 0:
-        print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s")
+        kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
+        print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")
         for k, v in sorted(val.items()):
             print(f"  {k} = {v:.4f}")
         print(f"TensorBoard: tensorboard --logdir {os.path.join(cfg.run_dir, 'tb')} --host 127.0.0.1")
