@@ -8,7 +8,7 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
+.PHONY: install train test test-all lint bench bench-trl clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
 	train-moe tensorboard data eval-aime
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
@@ -37,8 +37,23 @@ lint: install
 	$(BIN)/ruff check megatron_dapo kernels tests benchmarks
 	$(BIN)/python tools/check_line_counts.py
 
+# Every benchmark but the TRL comparison, which needs its own venv (make bench-trl).
 bench: install
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in $(filter-out benchmarks/bench_vs_trl.py,$(wildcard benchmarks/bench_*.py)); do \
+		echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+TRL_VENV ?= .venv-trl
+# TRL's GRPOTrainer against ours on one workload; TRL lives in its own venv, never a project dependency.
+bench-trl: install $(TRL_VENV)/.installed
+	OMP_NUM_THREADS=2 $(BIN)/python benchmarks/bench_vs_trl.py --trl-python $(TRL_VENV)/bin/python $(ARGS)
+
+$(TRL_VENV)/.installed:
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(TRL_VENV)/bin/python -m pip install -q "trl==1.13.0" "transformers==5.24.0" "accelerate==1.15.0" \
+		"datasets==5.2.0" requests
+	touch $@
 
 # The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch; DRY_RUN=1 prints
 # every command per node instead). Extra trainer overrides go in ARGS.
@@ -77,4 +92,4 @@ eval-aime: install
 		--top-p 0.7 --max-tokens 20480 $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) build *.egg-info .pytest_cache
