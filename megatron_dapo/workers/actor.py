@@ -136,6 +136,7 @@ class PolicyModel:
             mb = next(data_iterator)
             return self._forward(model, mb), partial(loss_func, mb)
 
+        _reset_megatron_loss_scalers()
         fb = get_forward_backward_func()
         seq = max(int(mb.input_ids.shape[1]) for mb in microbatches)
         mbs = max(int(mb.input_ids.shape[0]) for mb in microbatches)
@@ -327,3 +328,14 @@ class Actor:
         out["actor/lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
         out["actor/update_skipped"] = torch.tensor(0.0 if ok else 1.0)
         return out
+
+
+def _reset_megatron_loss_scalers() -> None:
+    """Megatron keeps the MoE aux-loss and MTP loss scales in class attributes and copies new values
+    into them in place: a scale left by another model in the process (a different shape) breaks the
+    next schedule with "output with shape [] doesn't match the broadcast shape [1]"."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)  # its class default
