@@ -53,6 +53,7 @@ def test_eval_of_a_trainer_checkpoint(tmp_path, capsys):
         "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.test_freq=0",
         "trainer.logger=[]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ev",
         "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
         "data.max_response_length=4", "reward.overlong_buffer.len=2"])
     run(cfg)
     capsys.readouterr()

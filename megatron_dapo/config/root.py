@@ -48,6 +48,7 @@ class Config:
         _check_batches(self)
         _check_names(self)
         _check_rollout_correction(self)
+        _check_bypass(self)
         self.parallel.check_world_size(self.trainer.world_size)
         if self.data.task == "files" and self.trainer.test_freq > 0 and not self.data.val_files:
             raise ConfigError("data.val_files", "a validation set is required when trainer.test_freq > 0 "
@@ -135,6 +136,13 @@ def _check_rollout_correction(cfg: Config) -> None:
     if explicit:
         raise ConfigError(f"algorithm.rollout_correction.{explicit[0]}",
                           f"set together with preset={rc.preset!r}; use either the preset or explicit keys")
+
+
+def _check_bypass(cfg: Config) -> None:
+    rc = resolve_rollout_correction(cfg)
+    if rc["bypass_mode"] and rc["rollout_is_batch_normalize"]:
+        raise ConfigError("algorithm.rollout_correction.rollout_is_batch_normalize",
+                          "not supported in bypass mode (weights are computed per micro-batch in the loss)")
 
 
 def resolve_rollout_correction(cfg: Config) -> dict:

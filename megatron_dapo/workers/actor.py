@@ -26,6 +26,7 @@ from torch import Tensor
 
 from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
+from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.config.schema import ActorConfig
 from megatron_dapo.models.forward import main_logits, unwrap_model
 from megatron_dapo.trainer.batch import PolicyBatch
@@ -207,9 +208,13 @@ class Actor:
     """The policy: PolicyModel + Megatron optimizer + LR scheduler + the DAPO loss."""
 
     def __init__(self, policy: PolicyModel, *, optimizer, scheduler, cfg: ActorConfig, loss_fn, n: int,
-                 balance_batch: bool):
+                 balance_batch: bool, bypass_correction: dict | None = None):
+        """bypass_correction: in bypass mode (old log-probs := rollout log-probs), the rollout-correction
+        keywords (rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold) applied per
+        micro-batch to the current (detached) log-probs against the rollout's, e.g. bypass_pg_is."""
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         self.cfg, self.loss_fn, self.n, self.balance_batch = cfg, loss_fn, n, balance_batch
+        self.bypass_correction = bypass_correction
         self.pgs = policy.pgs
 
     def compute_log_prob(self, *args, **kwargs) -> LogProbs:
@@ -222,12 +227,19 @@ class Actor:
         dev = logp.device
         take = lambda t: None if t is None else t.index_select(0, rows).to(dev)  # noqa: E731
         mask = take(batch.response_mask)
+        is_weights = take(batch.rollout_is_weights)
+        if self.bypass_correction is not None:
+            # Weights of the current policy against the rollout policy; rejected tokens get weight 0
+            # (the mask, and with it the global token count, stays as computed before the loop).
+            w, kept, _ = compute_rollout_correction(logp.detach(), take(batch.rollout_log_probs), mask,
+                                                    rollout_is_batch_normalize=False, **self.bypass_correction)
+            is_weights = kept if w is None else w * kept
         norm = dict(dp_size=self.pgs.dp_size, batch_num_tokens=denom["tokens"], global_batch_size=denom["seqs"])
         pg_loss, pg_metrics = self.loss_fn(
             old_log_prob=take(batch.old_log_probs), log_prob=logp, advantages=take(batch.advantages),
             response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            rollout_is_weights=take(batch.rollout_is_weights), **norm)
+            rollout_is_weights=is_weights, **norm)
         loss = pg_loss
         ent_mat = ent if cfg.entropy_coeff > 0 else ent.detach()
         entropy = agg_loss(ent_mat, mask, cfg.loss_agg_mode, **norm)
@@ -254,6 +266,8 @@ class Actor:
         cfg = self.cfg
         rows_per_mini = cfg.ppo_mini_batch_size * self.n
         B = len(batch)
+        if self.cfg.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("actor.use_kl_loss is on but the batch has no ref_log_probs (is the reference built?)")
         if B % rows_per_mini:
             raise ValueError(f"batch of {B} rows is not a multiple of ppo_mini_batch_size*n = {rows_per_mini}")
         for m in self.policy.chunks:

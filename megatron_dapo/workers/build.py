@@ -81,7 +81,17 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
     policy = PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
                          max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size)
     return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a,
-                 loss_fn=get_policy_loss_fn(_loss_name(cfg)), n=cfg.rollout.n, balance_batch=cfg.trainer.balance_batch)
+                 loss_fn=get_policy_loss_fn(_loss_name(cfg)), n=cfg.rollout.n, balance_batch=cfg.trainer.balance_batch,
+                 bypass_correction=_bypass_correction(cfg))
+
+
+def _bypass_correction(cfg: Config) -> dict | None:
+    from megatron_dapo.config import resolve_rollout_correction
+
+    rc = resolve_rollout_correction(cfg)
+    if not rc["bypass_mode"] or not (rc["rollout_is"] or rc["rollout_rs"]):
+        return None
+    return {k: rc[k] for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold")}
 
 
 def _loss_name(cfg: Config) -> str:

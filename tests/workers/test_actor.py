@@ -155,3 +155,39 @@ def test_moe_routed_counts_cover_every_response_token_topk_times(pgs):
     dense = make_actor(pgs)
     assert dense.compute_log_prob(raw["prompt_ids"], raw["prompt_length"], raw["responses"],
                                   raw["response_length"]).routed_counts is None
+
+
+def test_bypass_pg_is_preset_uses_reinforce_with_weights_from_the_current_policy(pgs):
+    """bypass_pg_is: old := rollout log-probs, REINFORCE loss, sequence IS weights (threshold 2) of the
+    current policy against the rollout policy, computed inside the loss."""
+    a = make_actor(pgs, **{"algorithm.rollout_correction.preset": "bypass_pg_is"})
+    assert a.loss_fn.__name__ == "compute_policy_loss_reinforce"
+    seen = []
+    real = a.loss_fn
+    a.loss_fn = lambda **kw: seen.append(kw) or real(**kw)
+    raw = random_batch(seed=5)
+    b = policy_batch(a, raw)
+    rollout = b.rollout_log_probs - 0.5 * raw["response_mask"]  # the engine's policy differs
+    a.update_policy(type(b)(**{**b.__dict__, "rollout_log_probs": rollout, "old_log_probs": rollout}))
+    w = seen[0]["rollout_is_weights"]
+    assert w is not None and float(w.max()) <= 2.0 + 1e-6 and float(w.max()) > 1.0
+
+
+def test_reference_is_a_frozen_copy_of_the_actor_at_build_time(pgs):
+    from megatron_dapo.workers.build import build_reference
+
+    a = make_actor(pgs, **{"actor.use_kl_loss": "true"})
+    raw = random_batch(seed=6)
+    args = (raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"])
+    with_ref = lambda b: type(b)(**{**b.__dict__, "ref_log_probs": b.old_log_probs})  # noqa: E731
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        a.update_policy(policy_batch(a, raw))
+    a.update_policy(with_ref(policy_batch(a, raw, perturb_old=0.05)))  # the actor moves away from its init...
+    ref = build_reference(a_cfg := load_config("configs/tiny_cpu.yaml", overrides(**{"actor.use_kl_loss": "true"})),
+                          pgs, vocab_size=VOCAB, pad_id=PAD, actor=a)
+    assert a_cfg.needs_reference
+    m = raw["response_mask"]
+    torch.testing.assert_close(ref.compute_log_prob(*args).log_probs * m, a.compute_log_prob(*args).log_probs * m)
+    assert not any(p.requires_grad for c in ref.chunks for p in c.parameters())
+    a.update_policy(with_ref(policy_batch(a, raw, perturb_old=0.05)))  # ...the reference stays where it was copied
+    assert not torch.allclose(ref.compute_log_prob(*args).log_probs * m, a.compute_log_prob(*args).log_probs * m)
