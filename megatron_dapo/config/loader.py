@@ -18,7 +18,6 @@ import yaml
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.root import Config
 
-
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 

@@ -64,19 +64,50 @@ class PolicyModel:
     """A (possibly pipelined / DDP-wrapped) Megatron model that computes per-token log-probs."""
 
     def __init__(self, model_chunks: list, *, pgs, pad_id: int, temperature: float, max_tokens: int,
-                 vocab_size: int):
+                 vocab_size: int, fused: bool = False):
+        """fused: the training forward stops before the output layer and computes log-probs and entropy
+        with `kernels.fused_logprob_entropy` (Triton on CUDA, chunked torch on CPU), never holding the
+        [tokens, V/tp] logits; models with MTP layers keep the logits path."""
         self.chunks, self.pgs = model_chunks, pgs
         self.pad_id, self.temperature, self.max_tokens = pad_id, temperature, max_tokens
         self.vocab_size = vocab_size
+        self.fused = fused and not unwrap_model(model_chunks[-1]).config.mtp_num_layers
         # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks).
         self.seq_multiple = pgs.tp_size * (2 * pgs.cp_size if pgs.cp_size > 1 else 1)
 
     # -- one micro-batch -------------------------------------------------------------------------
-    def _forward(self, model, mb: MicroBatch):
-        """Logits [b, S, V/tp] of the main head on the last stage (MTP handled), activations elsewhere."""
+    def _forward(self, model, mb: MicroBatch, *, hidden: bool = False):
+        """Logits [b, S, V/tp] of the main head on the last stage (MTP handled), activations elsewhere;
+        hidden=True: the output layer's input [b, S(/tp under SP), H] instead of logits."""
         dev = self.pgs.device
-        return main_logits(model, mb.input_ids.to(dev), mb.position_ids.to(dev), None, mb.labels.to(dev),
-                           gather=False)
+        ids, pos = mb.input_ids.to(dev), mb.position_ids.to(dev)
+        inner = unwrap_model(model)
+        if hidden and inner.post_process:
+            with _output_layer_bypassed(inner):
+                return model(ids, pos, None)
+        return main_logits(model, ids, pos, None, mb.labels.to(dev), gather=False)
+
+    def fused_token_stats(self, hidden: Tensor, mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
+        """(log-probs, entropy) [b, T] from the output layer's input, without materialising the logits."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        from megatron_dapo.kernels import fused_logprob_entropy
+
+        inner = unwrap_model(self.chunks[-1])
+        if inner.config.sequence_parallel and self.pgs.tp_size > 1:
+            # The kernel all-reduces d hidden over TP itself: gather with a plain split as backward.
+            hidden = gather_from_sequence_parallel_region(hidden.transpose(0, 1), tensor_parallel_output_grad=False,
+                                                          group=self.pgs.tp).transpose(0, 1)
+        b, S, h = hidden.shape
+        idx = (mb.resp_start.unsqueeze(1) + torch.arange(width).unsqueeze(0)).clamp(max=S - 1).to(hidden.device)
+        hid = hidden.gather(1, idx.unsqueeze(-1).expand(b, width, h)).reshape(b * width, h)
+        labels = to_response_aligned(mb.labels.to(hidden.device), mb, width).reshape(b * width)
+        weight = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
+                  else inner.output_layer.weight)
+        # Labels outside this TP rank's vocabulary shard are handled inside the kernel.
+        logp, ent = fused_logprob_entropy(hid, weight, labels, temperature=self.temperature,
+                                          tp_group=self.pgs.tp if self.pgs.tp_size > 1 else None)
+        return logp.view(b, width), ent.view(b, width)
 
     def _response_logits(self, output: Tensor, mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
         """Vocab-parallel logits at the response positions [b*T, V/tp] and their labels [b*T]."""
@@ -130,12 +161,12 @@ class PolicyModel:
         return mask.reshape(-1)
 
     # -- the schedule ----------------------------------------------------------------------------
-    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool):
+    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, hidden: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            return self._forward(model, mb), partial(loss_func, mb)
+            return self._forward(model, mb, hidden=hidden), partial(loss_func, mb)
 
         _reset_megatron_loss_scalers()
         fb = get_forward_backward_func()
@@ -223,7 +254,10 @@ class Actor:
     def _loss_func(self, batch: PolicyBatch, totals: dict, denom: dict, num_mbs: int, mb: MicroBatch, output):
         cfg, T = self.cfg, batch.responses.shape[1]
         rows = mb.rows
-        logp, ent, _ = self.policy.token_stats(output, mb, T, entropy=True, sum_sq=False)
+        if self.policy.fused:
+            logp, ent = self.policy.fused_token_stats(output, mb, T)
+        else:
+            logp, ent, _ = self.policy.token_stats(output, mb, T, entropy=True, sum_sq=False)
         dev = logp.device
         take = lambda t: None if t is None else t.index_select(0, rows).to(dev)  # noqa: E731
         mask = take(batch.response_mask)
@@ -321,7 +355,7 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(self._loss_func, batch, totals, denom, len(mbs))
-        self.policy.run(mbs, loss_func, forward_only=False)
+        self.policy.run(mbs, loss_func, forward_only=False, hidden=self.policy.fused)
         ok, grad_norm, _ = self.optimizer.step()
         if step_scheduler:
             self.scheduler.step(increment=1)
@@ -353,3 +387,17 @@ def _reset_megatron_loss_scalers() -> None:
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)  # its class default
+
+
+class _output_layer_bypassed:
+    """Within the block the output layer returns its input: GPTModel then returns the final hidden
+    states ([b, s, h] after its transpose) instead of logits, so the fused kernel never sees logits."""
+
+    def __init__(self, inner):
+        self.layer = inner.output_layer
+
+    def __enter__(self):
+        self.layer.forward = lambda input_, *args, **kwargs: (input_, None)
+
+    def __exit__(self, *exc):
+        del self.layer.forward  # back to the class's forward

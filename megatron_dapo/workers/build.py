@@ -78,11 +78,25 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
         optimizer, init_lr=0.0 if warmup else a.lr, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=max(steps, warmup + 1), lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
         end_wd=a.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
+    fused = use_fused_kernels(cfg, pgs)
     policy = PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
-                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size)
-    return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a,
-                 loss_fn=get_policy_loss_fn(_loss_name(cfg)), n=cfg.rollout.n, balance_batch=cfg.trainer.balance_batch,
-                 bypass_correction=_bypass_correction(cfg))
+                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size, fused=fused)
+    name = _loss_name(cfg)
+    loss_fn = _fused_vanilla_loss if fused and name == "vanilla" else get_policy_loss_fn(name)
+    return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a, loss_fn=loss_fn, n=cfg.rollout.n,
+                 balance_batch=cfg.trainer.balance_batch, bypass_correction=_bypass_correction(cfg))
+
+
+def use_fused_kernels(cfg: Config, pgs) -> bool:
+    flag = cfg.actor.use_fused_kernels
+    return (pgs.device.type == "cuda") if flag is None else flag
+
+
+def _fused_vanilla_loss(*, old_log_prob, log_prob, advantages, response_mask, **kwargs):
+    """The "vanilla" loss through the fused clipped-loss kernel (same value and gradient)."""
+    from megatron_dapo.kernels import fused_clipped_token_loss
+
+    return fused_clipped_token_loss(log_prob, old_log_prob, advantages, response_mask, **kwargs)
 
 
 def _bypass_correction(cfg: Config) -> dict | None:

@@ -45,7 +45,7 @@ def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path):
     scalars = _scalars(tmp_path / "e2e")
     for name in DESIGN_METRICS:
         assert set(scalars[name]) == {1, 2}, name
-    assert "val/arithmetic/acc/mean@1" in scalars and 0 in scalars["val/arithmetic/acc/mean@1"]
+    assert "val/arithmetic/acc/mean@4" in scalars and 0 in scalars["val/arithmetic/acc/mean@4"]
     # First-step invariant: the engine's log-probs are the actor's (same weights, fp32).
     assert scalars["rollout_corr/log_prob_abs_diff"][1] < 1e-5
     rows = [json.loads(line) for line in (tmp_path / "dumps/step_1.jsonl").read_text().splitlines()]
@@ -59,17 +59,28 @@ def _dumped_uids(dump_dir: pathlib.Path, step: int) -> list[str]:
     return [json.loads(line)["group"] for line in (dump_dir / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def test_resume_after_step_2_reproduces_the_uninterrupted_run(tmp_path):
-    full = _cfg(tmp_path / "a", "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.experiment_name=r")
-    run(full)
-    first = _cfg(tmp_path / "b", "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.experiment_name=r")
-    run(first)
-    resumed = _cfg(tmp_path / "b", "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.experiment_name=r")
-    run(resumed)
+def test_resume_after_step_2_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Same config; the first attempt stops right after the step-2 checkpoint (as a crash would)."""
+    from megatron_dapo.trainer import fit
+
+    args = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.experiment_name=r"]
+    run(_cfg(tmp_path / "a", *args))
+    real = fit.DAPOTrainer._save
+
+    def save_then_stop(self):
+        real(self)
+        if self.global_step == 2:
+            raise _Crash
+
+    monkeypatch.setattr(fit.DAPOTrainer, "_save", save_then_stop)
+    with pytest.raises(_Crash):
+        run(_cfg(tmp_path / "b", *args))
+    monkeypatch.setattr(fit.DAPOTrainer, "_save", real)
+    run(_cfg(tmp_path / "b", *args))
     a, b = _scalars(tmp_path / "a/r"), _scalars(tmp_path / "b/r")
     for step in (3, 4):
         assert _dumped_uids(tmp_path / "a/dumps", step) == _dumped_uids(tmp_path / "b/dumps", step)
-        for name in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy"):
+        for name in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "actor/entropy", "actor/lr"):
             assert a[name][step] == b[name][step], (name, step)
 
 
