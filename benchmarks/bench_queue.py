@@ -7,6 +7,9 @@ their 4 trajectories each written in one transaction per claim (responses int64 
 log-probs fp32 [512], small JSON fields) with the prompts marked done, then read back 16 groups at a
 time (responses + log-probs) and given rm_scores with put_fields. Rates are keys per second.
 
+Producer part: 1 and 4 producer processes claim prompts and write 1024-token trajectories at once;
+trajectories per second and the latency of one group's write transaction (p50, p99).
+
 Trainer part: `DAPOTrainer.fit` and the queue trainer (sync mode, and async mode with one producer
 process) run `STEPS` steps of the tiny config in this process; the time per step is the mean of
 `perf/time_per_step` over steps 2.. (step 1 pays one-off start-up costs). With 2 shared CPU cores
@@ -83,6 +86,56 @@ def bench_queue(path: str, prompts: int) -> dict[str, float]:
             "queue_put_fields_trajectories_per_s": traj / score_s, "queue_claims": prompts / CLAIM}
 
 
+def _producer(path: str, producer: int, groups: int, resp: int, out) -> None:
+    """One producer process: claim one prompt at a time and write its N trajectories, timing each write."""
+    from megatron_dapo.queue import TransferQueue
+
+    q = TransferQueue(path)
+    gen = torch.Generator().manual_seed(producer)
+    lat = []
+    while len(lat) < groups:
+        meta = q.claim("train", 1)
+        if not len(meta):
+            break
+        tkeys = [f"{meta.keys[0]}_{j}" for j in range(N)]
+        fields = {"responses": torch.randint(0, 50_000, (N, resp), generator=gen),
+                  "rollout_log_probs": -torch.rand(N, resp, generator=gen)}
+        t0 = time.perf_counter()
+        with q.transaction():
+            q.put("train", tkeys, fields, {"status": "done"})
+            q.update_tags("train", meta.keys, status="done")
+        lat.append(time.perf_counter() - t0)
+    q.close()
+    out.put(lat)
+
+
+def bench_producers(tmp: str, producers: int, groups_per_producer: int = 100, resp: int = 1024) -> dict[str, float]:
+    """Trajectories of `resp` tokens written by `producers` processes at once: throughput and latency."""
+    import multiprocessing as mp
+
+    from megatron_dapo.queue import TransferQueue
+
+    path = f"{tmp}/producers{producers}.sqlite"
+    q = TransferQueue(path)
+    total = producers * groups_per_producer
+    q.put("train", [f"q{i}@1.0" for i in range(total)], {"prompts": [list(range(64))] * total})
+    q.close()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_producer, args=(path, i, groups_per_producer, resp, out)) for i in range(producers)]
+    t0 = time.perf_counter()
+    for pr in procs:
+        pr.start()
+    lat = sorted(x for _ in procs for x in out.get(timeout=600))
+    wall = time.perf_counter() - t0
+    for pr in procs:
+        pr.join()
+    traj = len(lat) * N
+    return {f"producers{producers}_trajectories_per_s": traj / wall,
+            f"producers{producers}_write_latency_p50_ms": 1e3 * lat[len(lat) // 2],
+            f"producers{producers}_write_latency_p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))]}
+
+
 def _step_time(run_dir: pathlib.Path) -> float:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -125,6 +178,14 @@ def main(argv: list[str]) -> None:
         print(f"queue ({prompts} prompts x {N} trajectories of {RESP} tokens, claims of {CLAIM}):")
         for k in ("put_prompts", "claim_prompts", "write_trajectories", "get_trajectories", "put_fields_trajectories"):
             print(f"  {k.replace('_', ' '):28s} {q[f'queue_{k}_per_s']:10.0f} /s")
+        groups = 25 if a.quick else 100
+        for producers in (1, 4):
+            pr = bench_producers(tmp, producers, groups_per_producer=groups)
+            q.update(pr)
+            print(f"  {producers} producer process(es), 1024-token trajectories: "
+                  f"{pr[f'producers{producers}_trajectories_per_s']:8.0f} /s, write latency p50 "
+                  f"{pr[f'producers{producers}_write_latency_p50_ms']:.1f} ms, p99 "
+                  f"{pr[f'producers{producers}_write_latency_p99_ms']:.1f} ms")
         t = bench_trainers(pathlib.Path(tmp), steps, with_async=not a.quick)
     print(f"trainer step time on the tiny config ({steps} steps, mean over steps 2..{steps}):")
     for label in ("sync_trainer", "queue_trainer_sync", "queue_trainer_async"):
