@@ -86,13 +86,17 @@ def bench_queue(path: str, prompts: int) -> dict[str, float]:
             "queue_put_fields_trajectories_per_s": traj / score_s, "queue_claims": prompts / CLAIM}
 
 
-def _producer(path: str, producer: int, groups: int, resp: int, out) -> None:
+def _producer(path: str, producer: int, groups: int, resp: int, out, ready, go) -> None:
     """One producer process: claim one prompt at a time and write its N trajectories, timing each write."""
     from megatron_dapo.queue import TransferQueue
 
     q = TransferQueue(path)
+    q.count("train")  # open the connection before the clock starts
+    ready.put(producer)
+    go.wait()
     gen = torch.Generator().manual_seed(producer)
     lat = []
+    first = time.time()
     while len(lat) < groups:
         meta = q.claim("train", 1)
         if not len(meta):
@@ -106,7 +110,7 @@ def _producer(path: str, producer: int, groups: int, resp: int, out) -> None:
             q.update_tags("train", meta.keys, status="done")
         lat.append(time.perf_counter() - t0)
     q.close()
-    out.put(lat)
+    out.put((first, time.time(), lat))
 
 
 def bench_producers(tmp: str, producers: int, groups_per_producer: int = 100, resp: int = 1024) -> dict[str, float]:
@@ -121,13 +125,18 @@ def bench_producers(tmp: str, producers: int, groups_per_producer: int = 100, re
     q.put("train", [f"q{i}@1.0" for i in range(total)], {"prompts": [list(range(64))] * total})
     q.close()
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_producer, args=(path, i, groups_per_producer, resp, out)) for i in range(producers)]
-    t0 = time.perf_counter()
+    out, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_producer, args=(path, i, groups_per_producer, resp, out, ready, go))
+             for i in range(producers)]
     for pr in procs:
         pr.start()
-    lat = sorted(x for _ in procs for x in out.get(timeout=600))
-    wall = time.perf_counter() - t0
+    for _ in procs:  # all producers imported and connected: start together
+        ready.get(timeout=600)
+    go.set()
+    results = [out.get(timeout=600) for _ in procs]
+    # From the first claim to the last write (process start-up and imports excluded), wall-clock.
+    wall = max(r[1] for r in results) - min(r[0] for r in results)
+    lat = sorted(x for r in results for x in r[2])
     for pr in procs:
         pr.join()
     traj = len(lat) * N
