@@ -1,9 +1,8 @@
 """launch/ray_job.sh and launch/runtime_env.yaml: the submit command and its defaults, the runtime
 env kept in step with pyproject.toml, and a real submission to a Ray head started on loopback.
 
-The real submission runs the tiny recipe with --print-config (the job's log must hold the resolved
-config). Once `make train` runs a real step, switching to one training step is a one-line change:
-replace "--print-config" below with "trainer.total_training_steps=1"."""
+The real submission runs one training step of the tiny recipe (no warm-up, no dynamic sampling, so a
+random model can train) and a job with a bad key, which must fail."""
 
 from __future__ import annotations
 
@@ -119,7 +118,9 @@ def ray_head():
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
            "--num-cpus=1", "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
-    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
+    # Ray 2.60 reads a token from ~/.ray/auth_token when one exists (another Ray run may leave one):
+    # the head and the submitting CLI share a private HOME so they agree.
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", HOME=temp)
     log = open(Path(temp) / "head.log", "w")
     head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -132,7 +133,7 @@ def ray_head():
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "Ray dashboard did not come up in 120 s"
                 time.sleep(1)
-        yield f"http://127.0.0.1:{dashboard}"
+        yield f"http://127.0.0.1:{dashboard}", temp
     finally:
         head.send_signal(signal.SIGTERM)                     # `ray start --block` stops its processes
         try:
@@ -150,13 +151,18 @@ def ray_head():
 
 @pytest.mark.slow
 def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(ray_head, tmp_path):
+    address, home = ray_head
     runtime_env = tmp_path / "runtime_env.yaml"                 # env vars only: no pip, no network
     runtime_env.write_text("env_vars:\n  OMP_NUM_THREADS: \"1\"\n")
-    env = dict(RAY_ADDRESS=ray_head, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
-               PYTHON=sys.executable)
-    ok = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.experiment_name=ray_job_test", **env)
+    env = dict(RAY_ADDRESS=address, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
+               PYTHON=sys.executable, HOME=home)
+    ok = _run("configs/tiny_cpu.yaml", "trainer.experiment_name=ray_job_test", "trainer.total_training_steps=1",
+              "trainer.sft_warmup_steps=0", "algorithm.filter_groups.enable=false", "data.gen_batch_size=null",
+              "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[console]",
+              f"trainer.output_dir={tmp_path / 'runs'}", **env)
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
-    assert "experiment_name: ray_job_test" in ok.stdout and "succeeded" in ok.stdout + ok.stderr
+    assert "done: 1 steps" in ok.stdout and "succeeded" in ok.stdout + ok.stderr
+    assert (tmp_path / "runs/ray_job_test/ckpt/global_step_1/trainer_state.pt").exists()
     bad = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.no_such_key=1", **env)
     assert bad.returncode != 0
     assert "trainer.no_such_key" in bad.stdout + bad.stderr
