@@ -1,0 +1,47 @@
+"""The whole sync trainer under data and tensor parallelism (2 gloo ranks) reproduces the single-process
+run: same prompts per step, same losses and gradient norms."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ARGS = ["--config", "configs/tiny_cpu.yaml", "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0",
+        "algorithm.filter_groups.metric=seq_reward", "data.max_response_length=6", "reward.overlong_buffer.len=4",
+        "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+        "trainer.test_freq=0", "trainer.logger=[tensorboard]", "trainer.save_freq=-1"]
+
+
+def _train(out: pathlib.Path, *extra: str, nproc: int = 1, port: int = 0) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "megatron_dapo.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+        "--master_port", str(port), "-m", "megatron_dapo.train"]
+    cmd = [*launcher, *ARGS, f"trainer.output_dir={out}", f"trainer.rollout_data_dir={out}/dumps", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    acc = EventAccumulator(str(out / "tiny_cpu/tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in ("actor/pg_loss", "actor/grad_norm")}
+    groups = {s: [json.loads(x)["group"] for x in (out / f"dumps/step_{s}.jsonl").read_text().splitlines()]
+              for s in (1, 2)}
+    return {"scalars": scalars, "groups": groups}
+
+
+@pytest.mark.multiproc
+def test_dp2_and_tp2_training_runs_equal_the_single_process_run(tmp_path):
+    base = 29700 + os.getpid() % 200
+    single = _train(tmp_path / "single")
+    for name, extra, port in (("dp2", ["trainer.n_gpus_per_node=2"], base),
+                              ("tp2", ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"],
+                               base + 1)):
+        got = _train(tmp_path / name, *extra, nproc=2, port=port)
+        assert got["groups"] == single["groups"], name
+        for tag, steps in single["scalars"].items():
+            for step, value in steps.items():
+                assert got["scalars"][tag][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, tag, step)
