@@ -327,6 +327,17 @@ def load_hf_as_mcore(hf_dir: str, *, pgs=None, tp: int = 1, pp: int = 1, ep: int
     return model.eval()
 
 
+def iter_hf_tensors(model, *, pgs, arch: ModelArch, drop_mtp: bool = True):
+    """(HF name, full tensor) of the model, gathered over TP/PP/EP. A collective: every rank iterates;
+    the tensors are yielded on each name's writer rank only (rank 0 for a world of one)."""
+    tied = not arch.untie_embeddings_and_output_weights
+    for name, full, is_writer in gather_canonical_state(model, pgs=pgs):
+        if not is_writer or (drop_mtp and name.startswith("mtp.")) or (tied and name == "output_layer.weight"):
+            continue
+        kind, hf_names = hf_sources(name)
+        yield from zip(hf_names, to_hf(kind, full, arch), strict=True)
+
+
 def save_mcore_as_hf(model, out_dir: str, *, pgs, arch: ModelArch, hf_config: dict | None = None,
                      dtype: torch.dtype | None = None, drop_mtp: bool = False) -> None:
     """Write this model as an HF checkpoint (safetensors + config.json). A collective: every
@@ -338,17 +349,11 @@ def save_mcore_as_hf(model, out_dir: str, *, pgs, arch: ModelArch, hf_config: di
     """
     if arch.mtp_num_layers and not drop_mtp:       # checked before any collective starts
         raise ValueError(f"{arch.name}: HF Qwen checkpoints have no MTP layers; pass drop_mtp=True")
-    tied = not arch.untie_embeddings_and_output_weights
     multi = pgs.world_size > 1
     writer = ShardedSafetensorsWriter(out_dir, prefix=f"model-rank{pgs.rank:05d}" if multi else "model")
-    param_dtype = None
-    for name, full, is_writer in gather_canonical_state(model, pgs=pgs):
-        param_dtype = full.dtype if param_dtype is None else param_dtype
-        if not is_writer or name.startswith("mtp.") or (tied and name == "output_layer.weight"):
-            continue
-        kind, hf_names = hf_sources(name)
-        for hf_name, tensor in zip(hf_names, to_hf(kind, full, arch), strict=True):
-            writer.add(hf_name, tensor.to(dtype) if dtype is not None else tensor)
+    param_dtype = next(iter(model.parameters())).dtype
+    for hf_name, tensor in iter_hf_tensors(model, pgs=pgs, arch=arch):
+        writer.add(hf_name, tensor.to(dtype) if dtype is not None else tensor)
     weight_map = writer.close()
     if multi:
         maps = [None] * pgs.world_size

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +54,7 @@ class TrainerParts:
     reference: object | None = None  # workers.actor.PolicyModel when a KL term is used
     adv_fn: object = None
     kl_ctrl: object | None = None
-    extra_state: dict = field(default_factory=dict)
+    sync_weights: object = None  # callable(policy_version): push the actor's weights to the engine
 
 
 class DAPOTrainer:
@@ -69,11 +69,13 @@ class DAPOTrainer:
                                   n=cfg.rollout.n, ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
                                   pad_id=parts.tokenizer.pad_id)
         self.loss_history: list[tuple[int, float]] = []
+        # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
+        self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
 
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        cfg, p = self.cfg, self.p
+        cfg = self.cfg
         self._resume()
         if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
             self._log(self._validate(), step=0)
@@ -83,7 +85,7 @@ class DAPOTrainer:
             batch, metrics = self._collect(step, timer)  # gen + reward + dynamic sampling
             if batch is not None:
                 metrics.update(self._train_on(batch, step, timer))
-            p.engine.update_weights(None, policy_version=step)  # colocated: the engine shares the weights
+            self.sync_weights(step)
             self.global_step = step
             timings = {**timer.timings_s, "step": time.perf_counter() - t0}
             if batch is not None:
@@ -268,7 +270,7 @@ class DAPOTrainer:
                 self.p.kl_ctrl.value = float(state["kl_coef"])
             torch.set_rng_state(state["torch_rng"])
             self.loss_history = [(int(s), float(v)) for s, v in state["loss_history"]]
-            self.p.engine.update_weights(None, policy_version=self.global_step)
+            self.sync_weights(self.global_step)
             log.info("resumed from %s at step %d", path, self.global_step)
         inflight = ckpt.load_inflight(root) if os.path.isdir(root) else None
         if inflight is not None and int(inflight["step"]) == self.global_step + 1:

@@ -40,9 +40,66 @@ def _engine(cfg: Config, actor, pgs, tokenizer):
             raise ValueError("rollout.engine=local needs parallel.virtual_pipeline_model_parallel_size=null")
         return LocalEngine(unwrap_model(actor.policy.chunks[0]), pgs=pgs, eos_token_id=tokenizer.eos_id,
                            pad_token_id=tokenizer.pad_id)
-    raise NotImplementedError(
-        "rollout.engine=sglang is driven through launch/ (SGLang servers placed by Ray); the sync trainer "
-        "here runs the local engine. See README 'Rollout engines'.")
+    return _sglang_engine(cfg, pgs)
+
+
+def _sglang_engine(cfg: Config, pgs):
+    """SGLang servers (given by rollout.sglang_urls, or launched here on this node) driven by rank 0."""
+    from megatron_dapo.rollout.rank0 import RankZeroEngine
+
+    r = cfg.rollout
+    engine, servers = None, []
+    if pgs.rank == 0:
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+        servers = [] if r.sglang_urls else _launch_sglang(cfg)
+        urls = list(r.sglang_urls) or [s.url for s in servers]
+        engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
+                              max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size)
+    return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, servers=servers)
+
+
+def _launch_sglang(cfg: Config) -> list:
+    """One server per rollout.tensor_model_parallel_size GPUs of this node, on loopback by default."""
+    from megatron_dapo.rollout.sglang_server import SGLangServerSpec, launch_servers
+
+    r = cfg.rollout
+    if not cfg.model.hf_path:
+        raise ValueError("rollout.engine=sglang launches servers from model.hf_path; set it or rollout.sglang_urls")
+    if cfg.trainer.nnodes > 1:
+        raise ValueError("with trainer.nnodes > 1 the SGLang servers are placed by the launch scripts: "
+                         "set rollout.sglang_urls")
+    n = max(cfg.trainer.n_gpus_per_node // r.tensor_model_parallel_size, 1)
+    spec = r.speculative
+    specs = [SGLangServerSpec(
+        model_path=cfg.model.hf_path, host=r.server_host, port=r.server_base_port + i,
+        tp_size=r.tensor_model_parallel_size, base_gpu_id=i * r.tensor_model_parallel_size,
+        mem_fraction_static=r.gpu_memory_utilization,
+        dtype="bfloat16" if cfg.model.params_dtype == "bf16" else "float32",
+        enable_memory_saver=r.mode == "colocate",
+        speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
+        speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
+        for i in range(n)]
+    return launch_servers(specs, log_dir=os.path.join(cfg.run_dir, "sglang"), timeout_s=1800)
+
+
+def weight_sync(cfg: Config, parts):
+    """The per-step actor -> engine sync: the local engine shares the actor's weights (only the version
+    changes); SGLang servers receive the HF-named weights in buckets of rollout.weight_sync_bucket_mb."""
+    if cfg.rollout.engine == "local":
+        return lambda version: parts.engine.update_weights(None, policy_version=version)
+    from megatron_dapo.models.forward import unwrap_model
+    from megatron_dapo.models.hf import iter_hf_tensors
+    from megatron_dapo.workers.model_arch import model_arch
+
+    arch = model_arch(cfg, vocab_size=parts.tokenizer.vocab_size)
+
+    def sync(version: int) -> None:
+        model = unwrap_model(parts.actor.policy.chunks[0])
+        parts.engine.update_weights(iter_hf_tensors(model, pgs=parts.pgs, arch=arch), policy_version=version,
+                                    bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+
+    return sync
 
 
 def build_parts(cfg: Config):
@@ -92,10 +149,12 @@ def build_parts(cfg: Config):
     if pgs.rank == 0:
         logger = MetricsLogger(os.path.join(cfg.run_dir, "tb") if "tensorboard" in cfg.trainer.logger else None,
                                backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps)
-    return TrainerParts(actor=actor, engine=_engine(cfg, actor, pgs, tokenizer), tokenizer=tokenizer,
-                        reward_manager=rm, train_data=train, val_data=val, sampler=sampler, logger=logger, pgs=pgs,
-                        adv_fn=get_adv_estimator_fn(cfg.algorithm.adv_estimator), kl_ctrl=kl_ctrl,
-                        reference=None)
+    parts = TrainerParts(actor=actor, engine=_engine(cfg, actor, pgs, tokenizer), tokenizer=tokenizer,
+                         reward_manager=rm, train_data=train, val_data=val, sampler=sampler, logger=logger, pgs=pgs,
+                         adv_fn=get_adv_estimator_fn(cfg.algorithm.adv_estimator), kl_ctrl=kl_ctrl,
+                         reference=None)
+    parts.sync_weights = weight_sync(cfg, parts)
+    return parts
 
 
 def build_trainer(cfg: Config):
@@ -133,6 +192,7 @@ def run(cfg: Config) -> int:
         val = trainer.fit()
     finally:
         parts.reward_manager.close()
+        parts.engine.close()
         if parts.logger is not None:
             parts.logger.close()
     if parts.pgs.rank == 0:
