@@ -257,6 +257,31 @@ class SGLangEngine(RolloutEngine):
     # ----------------------------------------------------------------------------- generation
 
     @property
+    def max_sequence_length(self) -> int | None:
+        """The servers' context length (SGLang's /get_server_info `context_length`), read once; None if
+        the servers do not report one."""
+        if not hasattr(self, "_context_length"):
+            info = {}
+            try:
+                info = self._session().get(self.urls[0] + "/get_server_info", timeout=self.control_timeout_s).json()
+            except Exception:  # noqa: BLE001 - an old server without the endpoint: no check
+                info = {}
+            value = info.get("context_length") if isinstance(info, dict) else None
+            self._context_length = int(value) if isinstance(value, int) and value > 0 else None
+        return self._context_length
+
+    def _check_context(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> None:
+        """A prompt that cannot fit with max_new_tokens is a named error before any request is sent."""
+        limit = self.max_sequence_length
+        if limit is None:
+            return
+        for p in prompts:
+            total = len(p.token_ids) + sampling.max_new_tokens
+            if total > limit:
+                raise ValueError(f"prompt {p.prompt_id!r}: {len(p.token_ids)} prompt tokens + max_new_tokens="
+                                 f"{sampling.max_new_tokens} = {total} > the server's context length={limit}")
+
+    @property
     def policy_version(self) -> int:
         return self._policy_version
 
@@ -264,6 +289,7 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             raise RolloutEngineError("SGLangEngine is closed")
         check_generate_inputs(prompts, sampling)
+        self._check_context(prompts, sampling)
         items = [(p, j) for p in prompts for j in range(sampling.n)]
         batches = [items[i : i + self.max_batch_size] for i in range(0, len(items), self.max_batch_size)]
         aborted = self._abort_event

@@ -90,3 +90,16 @@ def test_token_outside_the_vocabulary_fails_before_any_forward(engine_and_forwar
     with pytest.raises(ValueError, match=rf"prompt 'v': token id {VOCAB} is outside the model's vocabulary"):
         engine.generate([PromptInput("ok", (2, 3)), PromptInput("v", (2, VOCAB))], SamplingParams(max_new_tokens=2))
     assert forwards == []
+
+
+def test_sglang_engine_refuses_a_prompt_longer_than_the_server_context_before_sending():
+    from megatron_dapo.rollout.base import PromptInput, SamplingParams
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from tests.rollout.sglang_protocol_server import ProtocolServer, ProtocolState
+
+    with ProtocolServer(state=ProtocolState(server_args={"context_length": 16})) as server:
+        with SGLangEngine([server.url]) as engine:
+            assert engine.max_sequence_length == 16
+            with pytest.raises(ValueError, match=r"prompt 'p': 12 prompt tokens \+ max_new_tokens=8 = 20 > .*=16"):
+                engine.generate([PromptInput("p", tuple(range(1, 13)))], SamplingParams(max_new_tokens=8))
+            assert server.state.bodies("/generate") == []
