@@ -218,6 +218,8 @@ class ActorConfig:
     """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
+    mtp_detach_trunk: bool = False
+    """Train the MTP layers on a detached copy of the trunk's hidden states: the drafter follows the policy and the MTP loss does not reach the decoder layers."""
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)

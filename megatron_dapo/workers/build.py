@@ -38,7 +38,23 @@ def build_model_chunks(cfg: Config, arch: ModelArch, pgs, *, seed: int) -> list:
         from megatron_dapo.models.hf import load_hf_weights_into
 
         load_hf_weights_into(chunks, cfg.model.hf_path, arch=arch, pgs=pgs)
+    if cfg.actor.mtp_detach_trunk:
+        for chunk in chunks:
+            _detach_mtp_input(chunk)
     return chunks
+
+
+def _detach_mtp_input(model) -> None:
+    """The first MTP layer reads the trunk's final hidden states through a detach. (Megatron's MTP block
+    returns the trunk's chunk itself too, so the detach must sit on the layer's input, not the block's.)"""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return
+
+    def detach_hidden(module, args, kwargs):
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach()}
+
+    mtp.layers[0].register_forward_pre_hook(detach_hidden, with_kwargs=True)
 
 
 def use_distributed_optimizer(cfg: Config, pgs) -> bool:

@@ -209,3 +209,35 @@ def test_fused_kernels_give_the_same_update_as_the_logits_path(pgs):
         assert_same_grads(y, x)
     for k in ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):
         assert m1[k] == pytest.approx(m2[k], abs=1e-6), k
+
+
+def test_mtp_detach_trunk_keeps_the_mtp_loss_out_of_the_decoder_layers(pgs):
+    """With the trunk detached, the decoder layers get exactly the gradient they get without any MTP loss,
+    while the MTP layer still trains."""
+    from megatron_dapo.models.forward import unwrap_model
+
+    raw = random_batch(seed=8)
+
+    def decoder_and_mtp_grads(**extra):
+        a = make_actor(pgs, **{"model.mtp_num_layers": 1, "actor.ppo_mini_batch_size": 4, **extra})
+        grads = {}
+        step = a.optimizer.step
+
+        def spy():
+            for name, p in unwrap_model(a.policy.chunks[0]).named_parameters():
+                grads[name] = p.main_grad.detach().clone()
+            return step()
+
+        a.optimizer.step = spy
+        a.update_policy(policy_batch(a, raw, perturb_old=0.05))
+        return grads
+
+    detached = decoder_and_mtp_grads(**{"actor.mtp_detach_trunk": "true"})
+    no_mtp_loss = decoder_and_mtp_grads(**{"actor.mtp_loss_scaling_factor": 0.0})
+    attached = decoder_and_mtp_grads()
+    layers = [n for n in detached if n.startswith("decoder.layers.")]
+    assert layers
+    for n in layers:
+        torch.testing.assert_close(detached[n], no_mtp_loss[n], atol=1e-7, rtol=1e-5)
+    assert any(not torch.allclose(attached[n], no_mtp_loss[n]) for n in layers)  # attached: MTP reaches the trunk
+    assert any(float(detached[n].abs().sum()) > 0 for n in detached if n.startswith("mtp."))
