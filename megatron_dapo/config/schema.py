@@ -302,7 +302,7 @@ class RolloutConfig:
     max_retries: int = 3
     """Retries of a failed request (exponential backoff)."""
     sglang_urls: list[str] = field(default_factory=list)
-    """SGLang servers to use (e.g. placed by the launch scripts); empty = launch them on this node (one per rollout.tensor_model_parallel_size GPUs)."""
+    """SGLang servers to use; empty = launch one per rollout.tensor_model_parallel_size GPUs: on the Ray cluster when RAY_ADDRESS is set (the SLURM launcher), else on this node."""
     server_host: str = "127.0.0.1"
     """Address SGLang servers bind to (loopback unless a cluster-internal address is given)."""
     server_base_port: int = 30000

@@ -53,23 +53,28 @@ def _sglang_engine(cfg: Config, pgs):
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
         servers = [] if r.sglang_urls else _launch_sglang(cfg)
-        urls = list(r.sglang_urls) or [s.url for s in servers]
+        urls = list(r.sglang_urls) or [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
         engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                               max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size)
     return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, servers=servers)
 
 
 def _launch_sglang(cfg: Config) -> list:
-    """One server per rollout.tensor_model_parallel_size GPUs of this node, on loopback by default."""
+    """One server per rollout.tensor_model_parallel_size GPUs: placed on the Ray cluster when RAY_ADDRESS is
+    set (the SLURM launcher starts one; servers bind to their node's cluster-internal address), otherwise
+    launched on this node (loopback by default). Returns objects with `.stop()` (and `.url`/`.urls`)."""
+    import dataclasses
+
     from megatron_dapo.rollout.sglang_server import SGLangServerSpec, launch_servers
 
     r = cfg.rollout
     if not cfg.model.hf_path:
         raise ValueError("rollout.engine=sglang launches servers from model.hf_path; set it or rollout.sglang_urls")
-    if cfg.trainer.nnodes > 1:
-        raise ValueError("with trainer.nnodes > 1 the SGLang servers are placed by the launch scripts: "
-                         "set rollout.sglang_urls")
-    n = max(cfg.trainer.n_gpus_per_node // r.tensor_model_parallel_size, 1)
+    on_ray = bool(os.environ.get("RAY_ADDRESS"))
+    if cfg.trainer.nnodes > 1 and not on_ray:
+        raise ValueError("with trainer.nnodes > 1 the SGLang servers are placed on the Ray cluster (RAY_ADDRESS) "
+                         "or given by rollout.sglang_urls")
+    n = max(cfg.trainer.world_size // r.tensor_model_parallel_size, 1)
     spec = r.speculative
     specs = [SGLangServerSpec(
         model_path=cfg.model.hf_path, host=r.server_host, port=r.server_base_port + i,
@@ -80,7 +85,13 @@ def _launch_sglang(cfg: Config) -> list:
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
         speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
         for i in range(n)]
-    return launch_servers(specs, log_dir=os.path.join(cfg.run_dir, "sglang"), timeout_s=1800)
+    log_dir = os.path.join(cfg.run_dir, "sglang")
+    if on_ray:
+        from megatron_dapo.rollout.ray_sglang import place_sglang_servers
+
+        host = "auto" if r.server_host == "127.0.0.1" else r.server_host  # reachable from rank 0's node
+        return [place_sglang_servers([dataclasses.replace(s, host=host) for s in specs], log_dir=log_dir)]
+    return launch_servers(specs, log_dir=log_dir, timeout_s=1800)
 
 
 def weight_sync(cfg: Config, parts):
