@@ -49,6 +49,10 @@ class Config:
         _check_names(self)
         _check_rollout_correction(self)
         _check_bypass(self)
+        if self.actor.router_replay and (self.parallel.tensor_model_parallel_size > 1
+                                         or self.parallel.pipeline_model_parallel_size > 1):
+            raise ConfigError("actor.router_replay", "needs tensor and pipeline parallel size 1 (the recorded "
+                              "routing is kept per sequence; sequence-parallel shards are not mapped yet)")
         self.parallel.check_world_size(self.trainer.world_size)
         if self.data.task == "files" and self.trainer.test_freq > 0 and not self.data.val_files:
             raise ConfigError("data.val_files", "a validation set is required when trainer.test_freq > 0 "

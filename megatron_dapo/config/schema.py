@@ -218,6 +218,8 @@ class ActorConfig:
     """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
+    router_replay: bool = False
+    """MoE: record each response token's top-k experts in the old_log_prob pass and replay them in the training forward, so the update routes as the behaviour policy did (needs TP = PP = 1)."""
     mtp_detach_trunk: bool = False
     """Train the MTP layers on a detached copy of the trunk's hidden states: the drafter follows the policy and the MTP loss does not reach the decoder layers."""
 

@@ -64,7 +64,7 @@ class PolicyModel:
     """A (possibly pipelined / DDP-wrapped) Megatron model that computes per-token log-probs."""
 
     def __init__(self, model_chunks: list, *, pgs, pad_id: int, temperature: float, max_tokens: int,
-                 vocab_size: int, fused: bool = False):
+                 vocab_size: int, fused: bool = False, router_replay: bool = False):
         """fused: the training forward stops before the output layer and computes log-probs and entropy
         with `kernels.fused_logprob_entropy` (Triton on CUDA, chunked torch on CPU), never holding the
         [tokens, V/tp] logits; models with MTP layers keep the logits path."""
@@ -72,6 +72,10 @@ class PolicyModel:
         self.pad_id, self.temperature, self.max_tokens = pad_id, temperature, max_tokens
         self.vocab_size = vocab_size
         self.fused = fused and not unwrap_model(model_chunks[-1]).config.mtp_num_layers
+        self.router_replay = router_replay
+        # Router replay: per row of the last compute_log_prob batch, per MoE layer, the top-k experts of
+        # each position [seq_len, K]; keyed by the batch's responses tensor so a stale record is never used.
+        self._routing: dict | None = None
         # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks).
         self.seq_multiple = pgs.tp_size * (2 * pgs.cp_size if pgs.cp_size > 1 else 1)
 
@@ -160,12 +164,52 @@ class PolicyModel:
             mask = mask[self.pgs.tp_rank * shard:(self.pgs.tp_rank + 1) * shard]
         return mask.reshape(-1)
 
+    # -- router replay ---------------------------------------------------------------------------
+    def _set_replay_action(self, action: str | None) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self._routers():
+            if action is None:
+                r.router_replay.clear_router_replay_action()
+                r.router_replay.clear_indices()
+            else:
+                r.router_replay.set_router_replay_action(RouterReplayAction[action])
+
+    def _collect_routing(self, mb: MicroBatch, out: dict[int, list]) -> None:
+        """After a recorded forward: each router's [S*b, K] top-k (sequence-first) -> per row [seq_len, K]."""
+        b, S = mb.input_ids.shape
+        per_layer = [r.router_replay.get_recorded_indices().reshape(S, b, -1).cpu() for r in self._routers()]
+        for k, row in enumerate(mb.rows.tolist()):
+            n = int(mb.seq_len[k])
+            out[row] = [idx[:n, k].clone() for idx in per_layer]
+
+    def replay_targets(self, mb: MicroBatch, responses: Tensor) -> None:
+        """Before a training forward: set every router's replay target from the recorded routing."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._routing is None or self._routing["key"] is not responses:
+            raise ValueError("actor.router_replay: no routing was recorded for this batch "
+                             "(compute_log_prob must run on the same batch first)")
+        b, S = mb.input_ids.shape
+        for layer, r in enumerate(self._routers()):
+            K = r.topk
+            target = torch.arange(K).repeat(S, b, 1)  # padding positions: any K distinct experts
+            for k, row in enumerate(mb.rows.tolist()):
+                rec = self._routing["rows"][row][layer]
+                target[: rec.shape[0], k] = rec
+            r.router_replay.clear_indices()
+            r.router_replay.set_target_indices(target.reshape(S * b, K).to(self.pgs.device))
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
     # -- the schedule ----------------------------------------------------------------------------
-    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, hidden: bool = False):
+    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, hidden: bool = False,
+            before_forward=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if before_forward is not None:
+                before_forward(mb)
             return self._forward(model, mb, hidden=hidden), partial(loss_func, mb)
 
         _reset_megatron_loss_scalers()
@@ -201,7 +245,14 @@ class PolicyModel:
         if routers:
             hooks.append(unwrap_model(self.chunks[0]).register_forward_pre_hook(next_mask))
 
+        record = self.router_replay and bool(self._routers())
+        if record:
+            self._set_replay_action("RECORD")
+            rows_routing: dict[int, list] = {}
+
         def loss_func(mb, output):
+            if record:
+                self._collect_routing(mb, rows_routing)
             lp, ent, sq = self.token_stats(output, mb, T, entropy=with_entropy, sum_sq=with_sum_sq)
             for key, val in (("lp", lp), ("ent", ent), ("sq", sq)):
                 if val is not None:
@@ -215,6 +266,14 @@ class PolicyModel:
         finally:
             for h in hooks:
                 h.remove()
+            if record:
+                self._set_replay_action(None)
+        if record:
+            if self.pgs.dp_size > 1:  # the update shards rows differently: every rank keeps every row
+                parts: list = [None] * self.pgs.dp_size
+                dist.all_gather_object(parts, rows_routing, group=self.pgs.dp)
+                rows_routing = {k: v for part in parts for k, v in part.items()}
+            self._routing = {"key": responses, "rows": rows_routing}
         routed = self._reduce_counts(counts) if routers else None
         stacked = torch.stack([out["lp"], out["ent"], out["sq"]]).to(self.pgs.device)
         if self.pgs.pp_size > 1:  # only the last stage computed them
@@ -355,7 +414,12 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(self._loss_func, batch, totals, denom, len(mbs))
-        self.policy.run(mbs, loss_func, forward_only=False, hidden=self.policy.fused)
+        replay = (lambda mb: self.policy.replay_targets(mb, batch.responses)) if self.policy.router_replay else None
+        try:
+            self.policy.run(mbs, loss_func, forward_only=False, hidden=self.policy.fused, before_forward=replay)
+        finally:
+            if replay is not None:
+                self.policy._set_replay_action(None)
         ok, grad_norm, _ = self.optimizer.step()
         if step_scheduler:
             self.scheduler.step(increment=1)

@@ -20,6 +20,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _config_overrides(cfg: Config) -> dict:
     out = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scaling_factor}
+    if cfg.actor.router_replay:
+        out["moe_enable_routing_replay"] = True
     if cfg.parallel.pipeline_model_parallel_size > 1:
         out["variable_seq_lengths"] = True  # p2p shapes differ per micro-batch (token-budget packing)
     if cfg.model.recompute != "none":
@@ -96,7 +98,8 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
         end_wd=a.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
     fused = use_fused_kernels(cfg, pgs)
     policy = PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
-                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size, fused=fused)
+                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size, fused=fused,
+                         router_replay=a.router_replay)
     name = _loss_name(cfg)
     loss_fn = _fused_vanilla_loss if fused and name == "vanilla" else get_policy_loss_fn(name)
     return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a, loss_fn=loss_fn, n=cfg.rollout.n,

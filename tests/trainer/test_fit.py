@@ -124,7 +124,8 @@ def test_crash_between_generation_batches_resumes_without_regenerating(tmp_path,
 
 def test_moe_model_with_mtp_trains_and_logs_load_balance(tmp_path):
     cfg = _cfg(tmp_path, "trainer.total_training_steps=1", "trainer.experiment_name=moe", "model.arch=tiny_moe",
-               "model.mtp_num_layers=1", "trainer.test_freq=0", "trainer.val_before_train=false")
+               "model.mtp_num_layers=1", "trainer.test_freq=0", "trainer.val_before_train=false",
+               "actor.router_replay=true", "actor.mtp_detach_trunk=true")
     assert run(cfg) == 0
     scalars = _scalars(tmp_path / "moe")
     assert scalars["moe/num_layers"][1] == 4.0 and scalars["moe/load_imbalance/mean"][1] >= 1.0

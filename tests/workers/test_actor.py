@@ -241,3 +241,45 @@ def test_mtp_detach_trunk_keeps_the_mtp_loss_out_of_the_decoder_layers(pgs):
         torch.testing.assert_close(detached[n], no_mtp_loss[n], atol=1e-7, rtol=1e-5)
     assert any(not torch.allclose(attached[n], no_mtp_loss[n]) for n in layers)  # attached: MTP reaches the trunk
     assert any(float(detached[n].abs().sum()) > 0 for n in detached if n.startswith("mtp."))
+
+
+def test_router_replay_trains_with_the_recorded_expert_choices(pgs):
+    """actor.router_replay: the training forward routes every token to the experts recorded in the
+    old_log_prob pass, even after the router weights changed; without replay the choices change."""
+    raw = random_batch(seed=9)
+
+    def routed_sets(replay: bool):
+        a = make_actor(pgs, **{"model.arch": "tiny_moe", "actor.router_replay": str(replay).lower(),
+                               "actor.ppo_mini_batch_size": 4})
+        b = policy_batch(a, raw)  # compute_log_prob: records the routing when replay is on
+        routers = a.policy._routers()
+        with torch.no_grad():
+            for r in routers:
+                r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(0)) * 5)
+        seen = []
+        hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[1].detach().clone())) for r in routers]
+        try:
+            a.update_policy(b)
+        finally:
+            for h in hooks:
+                h.remove()
+        return a, seen
+
+    a, seen = routed_sets(True)
+    mb_rows = sorted(a.policy._routing["rows"])
+    assert mb_rows == list(range(16))
+    # one micro-batch holds the whole mini-batch here; compare each router's map with the recorded top-k
+    from megatron_dapo.workers.microbatch import make_microbatches
+
+    (mb,) = make_microbatches(raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"],
+                              max_tokens=4096, pad_id=PAD)
+    b, S = mb.input_ids.shape
+    for layer, routing_map in enumerate(seen[: len(a.policy._routers())]):
+        chosen = routing_map.reshape(S, b, -1)
+        for k, row in enumerate(mb.rows.tolist()):
+            rec = a.policy._routing["rows"][row][layer]
+            expected = torch.zeros(rec.shape[0], chosen.shape[-1], dtype=torch.bool)
+            expected.scatter_(1, rec, True)
+            assert torch.equal(chosen[: rec.shape[0], k], expected), (layer, row)
+    _, fresh = routed_sets(False)
+    assert any(not torch.equal(x, y) for x, y in zip(seen, fresh))
