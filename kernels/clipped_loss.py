@@ -27,7 +27,7 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from megatron_dapo.algos.policy_loss import AGG_MODES, compute_policy_loss_vanilla
+from megatron_dapo.algos.policy_loss import AGG_MODES, check_clip_ratios, compute_policy_loss_vanilla
 
 try:  # a missing or broken triton must not break `import megatron_dapo.kernels`
     import triton
@@ -213,12 +213,7 @@ def _check_args(log_prob, old_log_prob, advantages, response_mask, rollout_is_we
                              "(the shape of log_prob)")
         if x is not None and x.device != log_prob.device:
             raise ValueError(f"{name} is on {x.device}, log_prob on {log_prob.device}")
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c!r}")
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low!r}")
-    if not clip_ratio_high >= 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high!r}")
+    check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {list(AGG_MODES)}, got {loss_agg_mode!r}")
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:

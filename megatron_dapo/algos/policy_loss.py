@@ -145,6 +145,16 @@ def agg_loss(
     raise ValueError(f"loss_agg_mode must be one of {list(AGG_MODES)}, got {loss_agg_mode!r}")
 
 
+def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
+    """The clip arguments' contract, shared with the fused kernel: ValueError naming the argument."""
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c!r}")
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low!r}")
+    if not clip_ratio_high >= 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high!r}")
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean over valid tokens, detached; 0 when there is no valid token."""
     values = values.detach().to(mask.dtype)
@@ -225,12 +235,7 @@ def compute_policy_loss_vanilla(
         response_mask=response_mask,
         rollout_is_weights=rollout_is_weights,
     )
-    if not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c!r}")
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low!r}")
-    if not clip_ratio_high >= 0.0:
-        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high!r}")
+    check_clip_ratios(clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
     mask = response_mask.to(log_prob.dtype)
     log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
