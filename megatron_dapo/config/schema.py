@@ -222,6 +222,8 @@ class ActorConfig:
     """MoE: record each response token's top-k experts in the old_log_prob pass and replay them in the training forward, so the update routes as the behaviour policy did (needs TP = PP = 1)."""
     mtp_detach_trunk: bool = False
     """Train the MTP layers on a detached copy of the trunk's hidden states: the drafter follows the policy and the MTP loss does not reach the decoder layers."""
+    old_log_prob_from_update: bool = True
+    """When the update is one optimizer step on the whole batch (ppo_epochs=1, ppo_mini_batch_size=data.train_batch_size) of a dense model, with no rollout correction, no KL in the reward and no router replay: take old_log_prob from the update's own forward (detached) instead of a separate pass. Same weights, same values: the ratio is 1 and the gradient unchanged, one forward per step saved; the first-step invariant and variance-proxy metrics come from that forward. False: always a separate old_log_prob pass."""
 
     def __post_init__(self):
         _check(self.lr > 0, "actor.lr", "> 0", self.lr)

@@ -5,11 +5,15 @@ always samples with the live weights: `update_weights(None, policy_version=v)` o
 version. It implements `RolloutEngine` (rollout/base.py) on CPU (gloo) and CUDA.
 
 How a call runs:
-1. Rows are the (prompt, sample_index) pairs. They are bucketed by prompt length and each bucket is
-   cut into batches of at most `max_batch_size` rows. Megatron's RoPE ignores position_ids
-   (positions are always 0..S-1) and the actor right-pads, so only prompts of EQUAL length share a
-   batch: then every row sees exactly the positions and keys the actor's forward sees, and
-   `rollout_log_probs` equal the actor's recomputed log-probs up to fp32 round-off.
+1. Rows are the (prompt, sample_index) pairs, sorted by prompt length and cut into batches of at
+   most `max_batch_size` rows whose prompt lengths lie within `max_new_tokens` of each other.
+   Nothing is padded on the left: Megatron's RoPE ignores position_ids (positions are always
+   0..S-1) and the actor right-pads, so row i's prompt must sit at positions 0..P_i-1. The prefill
+   covers the batch's shortest prompt; in each later forward a row that is still inside its
+   prompt is fed its next prompt token (its logits are ignored) and the others their last sampled
+   token. So every row sees exactly the positions and keys the actor's forward sees, and
+   `rollout_log_probs` equal the actor's recomputed log-probs up to fp32 round-off, while prompts
+   of different lengths share one batch (forwards per batch: 1 + Pmax - Pmin + max_new_tokens - 1).
 2. KV cache (`use_kv_cache=True`): one prefill forward with a `StaticInferenceContext`
    (`runtime_gather_output=True`; the context materialises only the last position's logits),
    then `increment_sequence_len_offset(P)`, `enable_decode_mode()` and one token per forward.
@@ -46,9 +50,9 @@ Forwards over more than one position build Megatron's default causal mask with d
 thread-local, so the engine enters it itself and works from any thread.
 
 Shape legend:
-    b  rows of one batch (one prompt length)    P  that prompt length
+    b  rows of one batch                         P_i  row i's prompt length (Pmin..Pmax)
     t  decode step, 0..max_new_tokens-1         V  vocabulary (logits gathered over TP)
-    logits [b, V] fp32; tokens, log_probs [b]; the KV cache of one layer [P + max_new_tokens, b, g, d]
+    logits [b, V] fp32; tokens, log_probs [b]; the KV cache of one layer [Pmax + max_new_tokens, b, g, d]
 """
 
 from __future__ import annotations
@@ -105,13 +109,15 @@ def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
 
 
 def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
-                       generators: Sequence[torch.Generator] | None = None) -> tuple[Tensor, Tensor]:
+                       generators: Sequence[torch.Generator] | None = None,
+                       uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One token per row: logits [b, V] -> (tokens [b] int64, log_probs [b] fp32).
 
     temperature 0: argmax, log-prob under softmax(logits). Otherwise a draw from
-    softmax(filter_logits(logits / temperature)) by inverse CDF on one uniform per row (from
-    generators[i] for row i, or torch's default generator when None); the log-prob is that of the
-    unfiltered softmax(logits / temperature) (module docstring).
+    softmax(filter_logits(logits / temperature)) by inverse CDF on one uniform per row: uniforms[i]
+    when given ([b], drawn by the caller), else the next draw of generators[i] for row i, else
+    torch's default generator; the log-prob is that of the unfiltered softmax(logits / temperature)
+    (module docstring).
     """
     logits = logits.float()
     if temperature == 0:
@@ -121,7 +127,11 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, t
     log_probs = torch.log_softmax(z, dim=-1)
     probs = filter_logits(z, top_k=top_k, top_p=top_p).softmax(dim=-1)
     b, V = probs.shape
-    if generators is None:
+    if uniforms is not None:
+        if uniforms.shape != (b,):
+            raise ValueError(f"sample_next_tokens: uniforms of shape {tuple(uniforms.shape)} for {b} rows")
+        u = uniforms.to(probs.device, torch.float32)
+    elif generators is None:
         u = torch.rand(b, device=probs.device)
     else:
         if len(generators) != b:
@@ -199,24 +209,19 @@ class LocalEngine(RolloutEngine):
         for p in prompts:
             self._check_prompt(p, sampling.max_new_tokens)
         rows = [(p, j) for p in prompts for j in range(sampling.n)]
-        buckets: dict[int, list[int]] = {}
-        for r, (p, _) in enumerate(rows):
-            buckets.setdefault(len(p.token_ids), []).append(r)
         stop_ids = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         out: list[Sample | None] = [None] * len(rows)
         with self._lock, self._generation_mode():
             self._generating = True
             try:
                 version = self._policy_version
-                for members in buckets.values():
-                    for start in range(0, len(members), self.max_batch_size):
-                        batch = members[start:start + self.max_batch_size]
-                        results = self._generate_batch([rows[r] for r in batch], sampling, stop_ids, aborted)
-                        for r, (tokens, log_probs, reason) in zip(batch, results, strict=True):
-                            p, j = rows[r]
-                            out[r] = Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
-                                            response_token_ids=tokens, rollout_log_probs=log_probs,
-                                            finish_reason=reason, policy_version=version)
+                for batch in self._batches(rows, sampling.max_new_tokens):
+                    results = self._generate_batch([rows[r] for r in batch], sampling, stop_ids, aborted)
+                    for r, (tokens, log_probs, reason) in zip(batch, results, strict=True):
+                        p, j = rows[r]
+                        out[r] = Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
+                                        response_token_ids=tokens, rollout_log_probs=log_probs,
+                                        finish_reason=reason, policy_version=version)
             finally:
                 self._generating = False
         return out  # type: ignore[return-value]  # every row was filled above
@@ -231,41 +236,79 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"prompt {p.prompt_id!r}: {len(p.token_ids)} prompt tokens + max_new_tokens="
                              f"{max_new_tokens} = {total} > the model's max_sequence_length={self.max_sequence_length}")
 
+    def _batches(self, rows: list[tuple[PromptInput, int]], max_new: int) -> list[list[int]]:
+        """Row indices cut into batches: sorted by prompt length, at most `max_batch_size` rows, and
+        prompt lengths within `max_new` of the batch's shortest (a longer spread would cost more
+        forwards feeding prompt tokens than a separate batch costs)."""
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r][0].token_ids))
+        batches: list[list[int]] = []
+        for r in order:
+            P = len(rows[r][0].token_ids)
+            if batches and len(batches[-1]) < self.max_batch_size \
+                    and P - len(rows[batches[-1][0]][0].token_ids) <= max_new:
+                batches[-1].append(r)
+            else:
+                batches.append([r])
+        return batches
+
     def _generate_batch(self, rows: list[tuple[PromptInput, int]], sampling: SamplingParams,
                         stop_ids: set[int], aborted: threading.Event) -> list[tuple[list, list, str]]:
-        """Sample one batch of rows that share a prompt length; returns (tokens, log_probs, reason) per row."""
+        """Sample one batch of rows; returns (tokens, log_probs, reason) per row.
+
+        Prompts of different lengths share the batch without padding (module docstring, step 1):
+        the prefill covers the shortest prompt (Pmin); at position `pos` a row whose prompt is
+        longer is fed its own prompt token, every other row its last sampled token, so row i
+        samples its token t at position P_i + t, exactly where the actor's forward puts it.
+        """
         b, max_new = len(rows), sampling.max_new_tokens
         if self._agree(aborted.is_set()):
             return [([], [], "abort")] * b
         dev = self.device
-        prompt = torch.tensor([p.token_ids for p, _ in rows], dtype=torch.long, device=dev)  # [b, P]
-        generators = None
+        lengths = torch.tensor([len(p.token_ids) for p, _ in rows], device=dev)  # P_i [b]
+        p_min, p_max = int(lengths.min()), int(lengths.max())
+        prompt = torch.full((b, p_max), self.pad_token_id, dtype=torch.long, device=dev)  # [b, Pmax]
+        for i, (p, _) in enumerate(rows):
+            prompt[i, :len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+        uniforms = None  # [b, max_new]: row i's t-th token is drawn with uniforms[i, t]
         if sampling.seed is not None and sampling.temperature > 0:
-            generators = [torch.Generator(device=dev).manual_seed(derive_sample_seed(sampling.seed, p.prompt_id, j))
-                          for p, j in rows]
+            uniforms = torch.stack([
+                torch.rand(max_new, device=dev,
+                           generator=torch.Generator(device=dev).manual_seed(derive_sample_seed(sampling.seed, p.prompt_id, j)))
+                for p, j in rows])
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
         tokens = torch.full((b, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         log_probs = torch.zeros((b, max_new), dtype=torch.float32, device=dev)
         length = torch.zeros(b, dtype=torch.long, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
-        step = _CachedStepper(self, prompt, max_new) if self.use_kv_cache else _FullStepper(self, prompt)
-        logits = step.prefill()
+        step = (_CachedStepper(self, prompt[:, :p_min], p_max - p_min + max_new) if self.use_kv_cache
+                else _FullStepper(self, prompt[:, :p_min]))
+        logits = step.prefill()  # [b, V]: the next token after position p_min - 1
         was_aborted = False
-        for t in range(max_new):
-            tok, lp = sample_next_tokens(logits, temperature=sampling.temperature, top_k=sampling.top_k,
-                                         top_p=sampling.top_p, generators=generators)
-            tok, lp, was_aborted = self._sync_step(tok, lp, aborted.is_set())
-            live = ~done
-            tokens[:, t] = torch.where(live, tok, self.pad_token_id)
-            log_probs[:, t] = torch.where(live, lp, 0.0)
-            length += live.long()
-            hit = live & torch.isin(tok, stop)
+        for pos in range(p_min, p_max + max_new):
+            t = pos - lengths                       # [b] index of the token sampled at pos (< 0: prompt)
+            sampling_rows = ((t >= 0) & ~done).nonzero().squeeze(-1)
+            if len(sampling_rows):
+                tok, lp = sample_next_tokens(
+                    logits[sampling_rows], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    uniforms=None if uniforms is None else uniforms[sampling_rows, t[sampling_rows]])
+            else:
+                tok = lp = torch.zeros(0, device=dev)
+            tok, lp, was_aborted = self._sync_step(tok.long(), lp.float(), aborted.is_set())
+            ts = t[sampling_rows]
+            tokens[sampling_rows, ts] = tok
+            log_probs[sampling_rows, ts] = lp
+            length[sampling_rows] += 1
+            hit = torch.zeros(b, dtype=torch.bool, device=dev)
+            hit[sampling_rows] = torch.isin(tok, stop)
             stopped |= hit
-            done |= hit
-            if was_aborted or t == max_new - 1 or bool(done.all()):
+            done |= hit | (length == max_new)
+            if was_aborted or bool(done.all()):
                 break
-            logits = step.decode(tokens[:, t])
+            fed = prompt[:, min(pos, p_max - 1)].clone()  # rows still inside their prompt
+            fed[t >= 0] = self.pad_token_id                 # finished rows are fed padding
+            fed[sampling_rows] = tok
+            logits = step.decode(fed)
         reasons = ["stop" if s else ("abort" if was_aborted and n < max_new else "length")
                    for s, n in zip(stopped.tolist(), length.tolist())]
         tokens_l, lps_l = tokens.tolist(), log_probs.tolist()

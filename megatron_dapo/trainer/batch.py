@@ -59,7 +59,7 @@ class PolicyBatch:
     responses: Tensor  # [B, T] int64
     response_length: Tensor  # [B] int64
     response_mask: Tensor  # [B, T] float32, after overlong filtering and rejection sampling
-    old_log_probs: Tensor  # [B, T] float32
+    old_log_probs: Tensor | None  # [B, T] float32; None: taken from the update's own forward (on-policy)
     advantages: Tensor  # [B, T] float32
     rollout_log_probs: Tensor  # [B, T] float32 (first-step invariant, bypass-mode metrics)
     index: list[str]  # [B] prompt uid per row

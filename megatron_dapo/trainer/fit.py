@@ -57,6 +57,16 @@ class TrainerParts:
     sync_weights: object = None  # callable(policy_version): push the actor's weights to the engine
 
 
+def old_log_prob_from_update(cfg: Config, rc: dict, actor) -> bool:
+    """Whether old_log_prob comes from the update's own forward (`actor.old_log_prob_from_update`): only
+    when that forward sees the very weights a separate pass would, and nothing needs old before the
+    update (rollout correction, KL in the reward, router replay, MoE routing counts)."""
+    a = cfg.actor
+    return (a.old_log_prob_from_update and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not rc["bypass_mode"] and not rc["rollout_is"] and not rc["rollout_rs"]
+            and not cfg.algorithm.use_kl_in_reward and not a.router_replay and not actor.policy.is_moe)
+
+
 class DAPOTrainer:
     def __init__(self, cfg: Config, parts: TrainerParts):
         self.cfg, self.p = cfg, parts
@@ -72,6 +82,7 @@ class DAPOTrainer:
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
+        self.old_from_update = old_log_prob_from_update(cfg, self.rc, parts.actor)
 
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -136,6 +147,8 @@ class DAPOTrainer:
         with timer("old_log_prob"):
             if self.rc["bypass_mode"]:
                 old = rb.rollout_log_probs
+            elif self.old_from_update:
+                old = None  # the update's own forward provides it (actor.old_log_prob_from_update)
             else:
                 lp = p.actor.compute_log_prob(rb.prompt_ids, rb.prompt_length, rb.responses, rb.response_length,
                                               with_sum_sq=True)
@@ -178,7 +191,12 @@ class DAPOTrainer:
             pb = stages.policy_batch(batch, mask=mask, old_log_probs=old, advantages=adv.advantages,
                                      ref_log_probs=ref if cfg.actor.use_kl_loss else None, is_weights=is_weights)
             with timer("update_actor"):
-                actor_metrics = p.actor.update_policy(pb)
+                if old is None:
+                    actor_metrics, lp = p.actor.update_policy_on_policy(pb, with_sum_sq=True)
+                    old, sum_sq = lp.log_probs, lp.sum_sq_probs
+                    actor_metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                else:
+                    actor_metrics = p.actor.update_policy(pb)
             faults.maybe_crash("after_update_actor", step)
             metrics.update(actor_metrics)
             self.loss_history.append((step, actor_metrics["actor/pg_loss"]))

@@ -98,11 +98,13 @@ def rollout_correction(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: T
     return weights, new_mask, {k: float(v) for k, v in metrics.items()}
 
 
-def policy_batch(batch: ScoredBatch, *, mask: Tensor, old_log_probs: Tensor, advantages: Tensor,
+def policy_batch(batch: ScoredBatch, *, mask: Tensor, old_log_probs: Tensor | None, advantages: Tensor,
                  ref_log_probs: Tensor | None, is_weights: Tensor | None) -> PolicyBatch:
+    """old_log_probs None: the update takes them from its own forward (Actor.update_policy_on_policy)."""
     rb = batch.rollout
+    old = None if old_log_probs is None else old_log_probs * mask
     return PolicyBatch(prompt_ids=rb.prompt_ids, prompt_length=rb.prompt_length, responses=rb.responses,
-                       response_length=rb.response_length, response_mask=mask, old_log_probs=old_log_probs * mask,
+                       response_length=rb.response_length, response_mask=mask, old_log_probs=old,
                        advantages=advantages, rollout_log_probs=rb.rollout_log_probs, index=list(rb.index),
                        ref_log_probs=ref_log_probs, rollout_is_weights=is_weights)
 

@@ -132,6 +132,10 @@ class PolicyModel:
                 None if sq is None else sq.view(b, width))
 
     # -- MoE routing counts (load-balance metrics) -------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return bool(self._routers())
+
     def _routers(self) -> list:
         """The decoder's MoE routers (MTP layers excluded: they are the drafter, not the policy)."""
         return [m for c in self.chunks for name, m in unwrap_model(c).named_modules()
@@ -310,13 +314,22 @@ class Actor:
     def compute_log_prob(self, *args, **kwargs) -> LogProbs:
         return self.policy.compute_log_prob(*args, **kwargs)
 
-    def _loss_func(self, batch: PolicyBatch, totals: dict, denom: dict, num_mbs: int, mb: MicroBatch, output):
+    def _loss_func(self, batch: PolicyBatch, totals: dict, denom: dict, num_mbs: int, record: dict | None,
+                   mb: MicroBatch, output):
+        """record (update_policy_on_policy): [B, T] buffers receiving the detached log-probs ("lp") and
+        sum of squared probabilities ("sq", or None); old_log_prob is then logp.detach()."""
         cfg, T = self.cfg, batch.responses.shape[1]
         rows = mb.rows
+        sq = None
         if self.policy.fused:
             logp, ent = self.policy.fused_token_stats(output, mb, T)
         else:
-            logp, ent, _ = self.policy.token_stats(output, mb, T, entropy=True, sum_sq=False)
+            logp, ent, sq = self.policy.token_stats(output, mb, T, entropy=True,
+                                                    sum_sq=record is not None and record["sq"] is not None)
+        if record is not None:
+            scatter_rows(record["lp"], mb, logp.detach().float().cpu())
+            if sq is not None:
+                scatter_rows(record["sq"], mb, sq.detach().float().cpu())
         dev = logp.device
         take = lambda t: None if t is None else t.index_select(0, rows).to(dev)  # noqa: E731
         mask = take(batch.response_mask)
@@ -329,7 +342,7 @@ class Actor:
             is_weights = kept if w is None else w * kept
         norm = dict(dp_size=self.pgs.dp_size, batch_num_tokens=denom["tokens"], global_batch_size=denom["seqs"])
         pg_loss, pg_metrics = self.loss_fn(
-            old_log_prob=take(batch.old_log_probs), log_prob=logp, advantages=take(batch.advantages),
+            old_log_prob=logp.detach() if record is not None else take(batch.old_log_probs), log_prob=logp, advantages=take(batch.advantages),
             response_mask=mask, loss_agg_mode=cfg.loss_agg_mode, clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             rollout_is_weights=is_weights, **norm)
@@ -359,8 +372,7 @@ class Actor:
         cfg = self.cfg
         rows_per_mini = cfg.ppo_mini_batch_size * self.n
         B = len(batch)
-        if self.cfg.use_kl_loss and batch.ref_log_probs is None:
-            raise ValueError("actor.use_kl_loss is on but the batch has no ref_log_probs (is the reference built?)")
+        self._check_update_batch(batch)
         if B % rows_per_mini:
             raise ValueError(f"batch of {B} rows is not a multiple of ppo_mini_batch_size*n = {rows_per_mini}")
         for m in self.policy.chunks:
@@ -372,6 +384,41 @@ class Actor:
                 history.append(self._update_mini(batch, mini))
         keys = history[0].keys()
         return {k: float(sum(float(h[k]) for h in history) / len(history)) for k in keys}
+
+    def update_policy_on_policy(self, batch: PolicyBatch, *, with_sum_sq: bool = False) -> tuple[dict[str, float], LogProbs]:
+        """One optimizer step on the whole batch with old_log_prob := the update forward's own
+        log-probs, detached (`batch.old_log_probs` must be None). Before the step the weights are the
+        ones a separate old_log_prob forward would use, so the ratio is exactly 1 and the loss and
+        gradient are those of the recomputed path, one forward cheaper (trainer: actor.old_log_prob_from_update).
+
+        Returns the metrics and those log-probs ([B, T] on every rank, like compute_log_prob), with the
+        per-token sum of squared probabilities when `with_sum_sq` (not on the fused-kernel path: None).
+        """
+        if batch.old_log_probs is not None:
+            raise ValueError("update_policy_on_policy: batch.old_log_probs must be None (it is taken from the update)")
+        if self.cfg.ppo_epochs != 1 or len(batch) != self.cfg.ppo_mini_batch_size * self.n:
+            raise ValueError(
+                f"update_policy_on_policy needs exactly one optimizer step: ppo_epochs=1 (got {self.cfg.ppo_epochs}) "
+                f"and a batch of ppo_mini_batch_size*n = {self.cfg.ppo_mini_batch_size * self.n} rows (got {len(batch)})")
+        self._check_update_batch(batch)
+        B, T = batch.responses.shape
+        record = {"lp": torch.zeros(B, T), "sq": torch.zeros(B, T) if with_sum_sq and not self.policy.fused else None}
+        for m in self.policy.chunks:
+            m.train()
+        out = self._update_mini(batch, list(range(B)), record=record)
+        stacked = torch.stack([record["lp"]] + ([record["sq"]] if record["sq"] is not None else []))
+        stacked = stacked.to(self.pgs.device)
+        if self.pgs.pp_size > 1:  # only the last stage computed them
+            dist.broadcast(stacked, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
+        if self.pgs.dp_size > 1:  # disjoint rows: a sum is a gather
+            dist.all_reduce(stacked, group=self.pgs.dp)
+        stacked = stacked.cpu()
+        lp = LogProbs(stacked[0] * batch.response_mask, None, stacked[1] if record["sq"] is not None else None)
+        return {k: float(v) for k, v in out.items()}, lp
+
+    def _check_update_batch(self, batch: PolicyBatch) -> None:
+        if self.cfg.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("actor.use_kl_loss is on but the batch has no ref_log_probs (is the reference built?)")
 
     def supervised_step(self, batch: PolicyBatch, *, lr: float) -> dict[str, float]:
         """One NLL step on all rows, outside the RL schedule (the supervised warm-up).
@@ -395,7 +442,8 @@ class Actor:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.optimizer.state.clear()
 
-    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, step_scheduler: bool = True) -> dict[str, Tensor]:
+    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, step_scheduler: bool = True,
+                     record: dict | None = None) -> dict[str, Tensor]:
         mask = batch.response_mask[mini]
         denom = {"tokens": mask.sum().to(self.pgs.device),
                  "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
@@ -413,7 +461,7 @@ class Actor:
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_func = partial(self._loss_func, batch, totals, denom, len(mbs))
+        loss_func = partial(self._loss_func, batch, totals, denom, len(mbs), record)
         replay = (lambda mb: self.policy.replay_targets(mb, batch.responses)) if self.policy.router_replay else None
         try:
             self.policy.run(mbs, loss_func, forward_only=False, hidden=self.policy.fused, before_forward=replay)

@@ -201,11 +201,14 @@ def test_output_follows_the_ordering_contract(pgs, actor):
 
 
 def test_abort_from_another_thread_returns_partial_abort_samples(pgs, actor):
-    """Abort lands while the 3rd forward runs: the batch stops after 3 tokens, later buckets are empty.
+    """Abort lands while the 3rd forward runs: generation stops after it, with the tokens sampled so far.
+
+    Lengths 3, 3, 2 share one batch: the prefill covers 2 positions, so after 3 forwards "d" has
+    sampled 3 tokens and "a", "c" (fed their 3rd prompt token by the 2nd forward) 2 each.
 
     The generating thread never entered CudaToCpuMode: the engine handles the thread-local mode itself."""
     eng = engine(bare(actor), pgs, eos_token_id=None)
-    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # lengths 3, 3, 2: two batches
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # lengths 3, 3, 2
     sampling = SamplingParams(max_new_tokens=40, temperature=0.0)
     ref = {s.prompt_id: s.response_token_ids for s in eng.generate(prompts, sampling)}
     calls, reached, resume = [0], threading.Event(), threading.Event()
@@ -229,7 +232,7 @@ def test_abort_from_another_thread_returns_partial_abort_samples(pgs, actor):
         handle.remove()
     samples = result["samples"]
     assert [s.finish_reason for s in samples] == ["abort"] * 3
-    assert [s.response_token_ids for s in samples] == [ref["a"][:3], ref["c"][:3], ()]
+    assert [s.response_token_ids for s in samples] == [ref["a"][:2], ref["c"][:2], ref["d"][:3]]
     after = eng.generate(prompts, sampling)  # abort hits only the calls in flight
     assert [s.finish_reason for s in after] == ["length"] * 3
 

@@ -130,3 +130,38 @@ def test_moe_model_with_mtp_trains_and_logs_load_balance(tmp_path):
     scalars = _scalars(tmp_path / "moe")
     assert scalars["moe/num_layers"][1] == 4.0 and scalars["moe/load_imbalance/mean"][1] >= 1.0
     assert scalars["rollout_corr/log_prob_abs_diff"][1] < 1e-5  # MTP heads do not leak into sampling
+
+
+def test_on_policy_old_log_prob_from_the_update_equals_a_separate_pass(tmp_path, monkeypatch):
+    """ppo_mini_batch_size = train_batch_size, one epoch: with actor.old_log_prob_from_update the trainer
+    skips the separate old_log_prob forward and trains the same (same samples, losses, grad norms), with
+    the first-step invariant and the variance proxy taken from the update's forward."""
+    from megatron_dapo.trainer import fit
+
+    calls = []
+    real = fit.DAPOTrainer.__init__
+
+    def spy_init(self, cfg, parts):
+        real(self, cfg, parts)
+        lp = parts.actor.compute_log_prob
+        parts.actor.compute_log_prob = lambda *a, **k: calls.append(self.old_from_update) or lp(*a, **k)
+
+    monkeypatch.setattr(fit.DAPOTrainer, "__init__", spy_init)
+    args = ["actor.ppo_mini_batch_size=4", "trainer.total_training_steps=3", "trainer.test_freq=0"]
+    for flag in ("true", "false"):
+        assert run(_cfg(tmp_path / flag, *args, f"actor.old_log_prob_from_update={flag}",
+                        "trainer.experiment_name=o")) == 0
+    assert calls == [False] * 3  # only the run with the flag off made separate old_log_prob passes
+    on, off = _scalars(tmp_path / "true/o"), _scalars(tmp_path / "false/o")
+    for step in (1, 2, 3):
+        assert _dumped_uids(tmp_path / "true/dumps", step) == _dumped_uids(tmp_path / "false/dumps", step)
+        assert on["critic/score/mean"][step] == off["critic/score/mean"][step]
+        for name in ("actor/pg_loss", "actor/grad_norm", "variance_proxy/proxy1_signal_strength"):
+            assert on[name][step] == pytest.approx(off[name][step], rel=1e-4, abs=1e-6), (name, step)
+        assert on["actor/ppo_kl"][step] == 0.0 and on["rollout_corr/log_prob_abs_diff"][step] < 1e-5
+    # Two mini-batches, or a rollout correction that needs old before the update: the separate pass stays.
+    from megatron_dapo.config import resolve_rollout_correction
+
+    for extra in (["actor.ppo_mini_batch_size=2"], args[:1] + ["algorithm.rollout_correction.preset=decoupled_token_is"]):
+        cfg = _cfg(tmp_path, *extra)
+        assert not fit.old_log_prob_from_update(cfg, resolve_rollout_correction(cfg), None), extra

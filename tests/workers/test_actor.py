@@ -62,6 +62,34 @@ def test_first_minibatch_ppo_kl_is_zero_when_nothing_changed(pgs):
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
 
 
+def test_on_policy_update_takes_old_log_probs_from_its_own_forward(pgs):
+    """update_policy_on_policy == update_policy with a separately recomputed old_log_prob: the same
+    gradient (ratio exactly 1), and the returned log-probs / sum p^2 are those of compute_log_prob."""
+    import dataclasses
+
+    raw = random_batch(seed=3)
+    ref = make_actor(pgs, **{"actor.ppo_mini_batch_size": 4})  # the whole batch is one mini-batch
+    before = ref.compute_log_prob(raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"],
+                                  with_sum_sq=True)
+    ref_grads = capture_grads(ref)
+    m_ref = ref.update_policy(policy_batch(ref, raw))
+    a = make_actor(pgs, **{"actor.ppo_mini_batch_size": 4})
+    grads = capture_grads(a)
+    m, lp = a.update_policy_on_policy(dataclasses.replace(policy_batch(a, raw), old_log_probs=None), with_sum_sq=True)
+    assert len(grads) == len(ref_grads) == 1
+    assert_same_grads(grads[0], ref_grads[0])
+    mask = raw["response_mask"]
+    torch.testing.assert_close(lp.log_probs, before.log_probs * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp.sum_sq_probs * mask, before.sum_sq_probs * mask, atol=1e-5, rtol=0)
+    assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+    assert m["actor/pg_loss"] == pytest.approx(m_ref["actor/pg_loss"], abs=1e-5)
+    assert torch.allclose(flat_params(a), flat_params(ref), atol=1e-6)
+    with pytest.raises(ValueError, match="exactly one optimizer step"):  # two mini-batches
+        make_actor(pgs).update_policy_on_policy(dataclasses.replace(policy_batch(a, raw), old_log_probs=None))
+    with pytest.raises(ValueError, match="old_log_probs must be None"):
+        a.update_policy_on_policy(policy_batch(a, raw))
+
+
 def test_token_mean_update_is_invariant_to_microbatch_split(pgs):
     raw = random_batch(seed=1)
     results = []
