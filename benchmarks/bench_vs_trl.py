@@ -14,9 +14,15 @@ The same on both sides:
   train_batch_size, ppo_epochs 1) at the same constant lr, grad clip 1.0, weight decay as ours;
   no dynamic sampling, no supervised warm-up and no lr warm-up on either side; rewards run inline.
 
-Ours does one forward more per step: with one update per generation TRL skips the old-log-prob
-pass (the ratio is then exactly 1) while our DAPO trainer computes `old_log_prob`. Our fit() also
-writes a checkpoint after its last step (outside the timed steps).
+Both sides do the same passes: with one update per generation TRL skips the old-log-prob pass (the
+ratio is then exactly 1), and so does ours (`actor.old_log_prob_from_update`, on by default: old :=
+the update forward's own log-probs). Our fit() also writes a checkpoint after its last step
+(outside the timed steps).
+
+The compute ceiling: every token goes through the model once while generating and three times in
+the update, >= 8 x (matmul weights) FLOPs per token. The script measures this machine's fp32 GEMM
+peak on the model's shapes and prints TRL's achieved GFLOP/s against it: peak / TRL's rate is the
+most any trainer doing this work could gain over TRL here.
 
 Tokens/s = (prompt + response tokens of the timed steps) / (sum of their step times), after
 `--warmup` untimed steps. Ours: fit()'s `perf/total_num_tokens` and `perf/time_per_step` (generation
@@ -202,6 +208,30 @@ def _step_rates(side: dict) -> list[float]:
     return [t / s for t, s in zip(side["tokens"], side["seconds"], strict=True)]
 
 
+def _linear_params(m: dict, vocab: int) -> int:
+    """Weights that take part in a matmul per token: QKV, output projection, SwiGLU FFN, LM head."""
+    h, f = m["hidden_size"], m["ffn_hidden_size"]
+    kv = m["num_query_groups"] * (h // m["num_attention_heads"])
+    return m["num_layers"] * (h * (h + 2 * kv) + h * h + h * 2 * f + f * h) + h * vocab
+
+
+def _matmul_peak_gflops(m: dict, tokens: int, threads: int) -> float:
+    """Best fp32 GFLOP/s of this machine on the model's own GEMM shapes at one step's token count."""
+    torch.set_num_threads(threads)
+    h, f = m["hidden_size"], m["ffn_hidden_size"]
+    best = 0.0
+    for k, n in ((h, 2 * f), (f, h), (h, h)):
+        a, b = torch.randn(tokens, k), torch.randn(k, n)
+        for _ in range(3):
+            a @ b
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            best = max(best, 2 * tokens * k * n * 10 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def _versions_main() -> dict:
     from importlib.metadata import version
 
@@ -257,6 +287,19 @@ def main() -> None:
     print(f"ours, seconds over the timed steps: {ours['stage_seconds']}")
     print(f"ratio ours/TRL: {ratio['sum']:.2f}x (goal >= {GOAL:g}x); median step {ratio['median']:.2f}x, "
           f"best step {ratio['best']:.2f}x, per CPU-s {ratio['cpu']:.2f}x")
+    # The compute ceiling: each side runs every token through the model once while generating
+    # (KV cache) and three times in the update (forward + backward), i.e. >= 8 x linear params FLOPs per
+    # token. TRL's achieved rate against the machine's GEMM peak bounds what any trainer doing the same
+    # work could reach: ceiling = peak / TRL's rate (TRL's padded positions are not counted: an upper bound).
+    flops_per_token = 8 * _linear_params(m, len(spec["vocab"]))
+    step_tokens = round(sum(trl["tokens"]) / len(trl["tokens"]))
+    peak = _matmul_peak_gflops(m, step_tokens, args.threads)
+    achieved = {name: flops_per_token * sum(side["tokens"]) / sum(side["seconds"]) / 1e9
+                for name, side in (("ours", ours), ("trl", trl))}
+    ceiling = peak / achieved["trl"]
+    print(f"compute: >= {flops_per_token / 1e6:.1f} MFLOP per token; achieved ours {achieved['ours']:.1f}, "
+          f"TRL {achieved['trl']:.1f} GFLOP/s; fp32 GEMM peak here {peak:.1f} GFLOP/s on these shapes "
+          f"(M={step_tokens}) -> no trainer doing this work can beat TRL by more than {ceiling:.2f}x on this machine")
     print(f"1-min load average on {os.cpu_count()} cores: "
           + ", ".join(f"{k} {v:.1f}" for k, v in load.items()))
     versions = {"ours": _versions_main(), "trl_side": trl["versions"]}
@@ -274,6 +317,9 @@ def main() -> None:
                 "ours_tokens": sum(ours["tokens"]), "trl_tokens": sum(trl["tokens"]),
                 "ours_stage_seconds": ours["stage_seconds"], "params": ours["params"],
                 "probe_logits_max_abs_diff": trl["probe_logits_max_abs_diff"], "cores": os.cpu_count(),
+                "flops_per_token": flops_per_token, "ours_gflops": round(achieved["ours"], 1),
+                "trl_gflops": round(achieved["trl"], 1), "gemm_peak_gflops": round(peak, 1),
+                "ceiling_ratio": round(ceiling, 2),
                 "load_avg_1min": {k: round(v, 2) for k, v in load.items()}, "versions": versions}
     print(json.dumps(figures))
 

@@ -291,6 +291,8 @@ class RolloutConfig:
     """Top-k sampling (-1 = off). [recipe: actor_rollout_ref.rollout.top_k]"""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling for validation."""
+    max_num_seqs: int = 256
+    """engine=local: rows (prompt x sample) per forward; more rows, fewer forwards per generation. [recipe: actor_rollout_ref.rollout.max_num_seqs]"""
     tensor_model_parallel_size: int = 1
     """TP size of each SGLang engine. [recipe: actor_rollout_ref.rollout.tensor_model_parallel_size]"""
     gpu_memory_utilization: float = 0.85
@@ -316,6 +318,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check(self.n >= 1, "rollout.n", ">= 1", self.n)
+        _check(self.max_num_seqs >= 1, "rollout.max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.temperature > 0, "rollout.temperature", "> 0 for training rollouts", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 or >= 1", self.top_k)

@@ -39,7 +39,7 @@ def _engine(cfg: Config, actor, pgs, tokenizer):
         if len(actor.policy.chunks) > 1:
             raise ValueError("rollout.engine=local needs parallel.virtual_pipeline_model_parallel_size=null")
         return LocalEngine(unwrap_model(actor.policy.chunks[0]), pgs=pgs, eos_token_id=tokenizer.eos_id,
-                           pad_token_id=tokenizer.pad_id)
+                           pad_token_id=tokenizer.pad_id, max_batch_size=cfg.rollout.max_num_seqs)
     return _sglang_engine(cfg, pgs)
 
 
