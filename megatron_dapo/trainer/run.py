@@ -209,8 +209,10 @@ def run(cfg: Config) -> int:
     if parts.pgs.rank == 0:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
         print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")
+        first_step, first = trainer.val_history[0] if trainer.val_history else (None, {})
         for k, v in sorted(val.items()):
-            print(f"  {k} = {v:.4f}")
+            since = f"  (step {first_step}: {first[k]:.4f})" if k in first and first_step != trainer.global_step else ""
+            print(f"  {k} = {v:.4f}{since}")
         print(f"TensorBoard: tensorboard --logdir {os.path.join(cfg.run_dir, 'tb')} --host 127.0.0.1")
     torch.distributed.barrier() if torch.distributed.is_initialized() and parts.pgs.world_size > 1 else None
     return 0

@@ -3,6 +3,7 @@ and resume == uninterrupted."""
 
 import json
 import pathlib
+import re
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -39,9 +40,12 @@ DESIGN_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages
                   "train/num_gen_batches", "rollout_corr/log_prob_abs_diff"]
 
 
-def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path):
+def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path, capsys):
     cfg = _cfg(tmp_path, "trainer.total_training_steps=2", "trainer.experiment_name=e2e")
     assert run(cfg) == 0
+    summary = capsys.readouterr().out  # the final validation, next to the one before training
+    assert re.search(r"val/arithmetic/acc/mean@4 = [0-9.]+  \(step 0: [0-9.]+\)", summary), summary
+    assert f"tensorboard --logdir {tmp_path / 'e2e' / 'tb'}" in summary
     scalars = _scalars(tmp_path / "e2e")
     for name in DESIGN_METRICS:
         assert set(scalars[name]) == {1, 2}, name
