@@ -77,6 +77,9 @@ OUR_OVERRIDES = [
     "algorithm.norm_adv_by_std_in_grpo=true", "reward.overlong_buffer.enable=false", "reward.timeout_s=0",
     "trainer.sft_warmup_steps=0", "trainer.test_freq=0", "trainer.val_before_train=false",
     "trainer.save_freq=-1", "trainer.logger=[]", "trainer.resume_mode=disable", "trainer.device=cpu",
+    # The prompt pool is pinned here, not inherited from tiny_cpu.yaml: the figures stay comparable
+    # across changes to the embedded default.
+    "data.arithmetic.num_train=2000", "data.arithmetic.max_digits=2", "data.arithmetic.operators=+-",
 ]
 
 
