@@ -1,0 +1,35 @@
+"""The compute figures of benchmarks/bench_vs_trl.py: the FLOP count per token must be the model's."""
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_linear_params_count_every_matmul_weight_of_the_benchmark_model():
+    """_linear_params (the FLOP count's base) == the 2-D weights of the Megatron model the bench trains,
+    embedding excluded (a lookup, no FLOPs)."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_model
+    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.workers.parallel import init_parallel
+
+    bench = _bench()
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), bench.OUR_OVERRIDES)
+    vocab = 18
+    arch = model_arch(cfg, vocab_size=vocab)
+    model = build_gpt_model(arch, pgs=init_parallel())
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if p.dim() == 2 and "embedding" not in name)
+    m = {k: getattr(arch, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                       "num_query_groups")}
+    assert m == {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 4,
+                 "num_query_groups": 2}
+    assert bench._linear_params(m, vocab) == weights
