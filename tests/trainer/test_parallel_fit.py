@@ -27,7 +27,8 @@ def _train(out: pathlib.Path, *extra: str, nproc: int = 1, port: int = 0) -> dic
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     acc = EventAccumulator(str(out / "tiny_cpu/tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in ("actor/pg_loss", "actor/grad_norm")}
+    scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in ("actor/pg_loss", "actor/grad_norm",
+                                                                           "rollout_corr/log_prob_abs_diff")}
     groups = {s: [json.loads(x)["group"] for x in (out / f"dumps/step_{s}.jsonl").read_text().splitlines()]
               for s in (1, 2)}
     return {"scalars": scalars, "groups": groups}
@@ -42,6 +43,25 @@ def test_dp2_and_tp2_training_runs_equal_the_single_process_run(tmp_path):
                                base + 1)):
         got = _train(tmp_path / name, *extra, nproc=2, port=port)
         assert got["groups"] == single["groups"], name
-        for tag, steps in single["scalars"].items():
-            for step, value in steps.items():
-                assert got["scalars"][tag][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, tag, step)
+        _assert_same_losses(got, single, name)
+
+
+def _assert_same_losses(got: dict, single: dict, name: str) -> None:
+    for tag in ("actor/pg_loss", "actor/grad_norm"):
+        for step, value in single["scalars"][tag].items():
+            assert got["scalars"][tag][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, tag, step)
+
+
+@pytest.mark.multiproc
+def test_dp2_on_policy_update_gathers_its_log_probs_like_the_single_process_run(tmp_path):
+    """One mini-batch per step: old_log_prob comes from the update's forward, whose rows are split over the
+    DP ranks; the gathered log-probs must cover every row (a missing row would show as a large mismatch
+    against the rollout log-probs)."""
+    on_policy = "actor.ppo_mini_batch_size=4"
+    single = _train(tmp_path / "single", on_policy)
+    got = _train(tmp_path / "dp2", on_policy, "trainer.n_gpus_per_node=2", nproc=2,
+                 port=29900 + os.getpid() % 90)
+    assert got["groups"] == single["groups"]
+    _assert_same_losses(got, single, "dp2")
+    for run in (single, got):
+        assert all(v < 1e-5 for v in run["scalars"]["rollout_corr/log_prob_abs_diff"].values())
