@@ -71,6 +71,25 @@ def build_tokenizer(vocab: list[str], *, pad_id: int, bos_id: int, eos_id: int):
     return tok
 
 
+def fwd_bwd_seconds(model, tok, rows: list[dict], tr: dict, *, vocab: int) -> float:
+    """Median time of one plain forward + backward of a step's batch (prompts_per_step x n rows, the
+    longest prompt + max_new_tokens positions), no generation, no optimizer: a floor for any step."""
+    import torch
+
+    width = max(len(tok(r["prompt"])["input_ids"]) for r in rows[:tr["prompts_per_step"]]) + tr["max_new_tokens"]
+    ids = torch.randint(0, vocab, (tr["prompts_per_step"] * tr["n"], width),
+                        generator=torch.Generator().manual_seed(0))
+    model.train()
+    times = []
+    for i in range(7):
+        t0 = time.perf_counter()
+        model(ids).logits.float().log_softmax(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:  # first calls: allocator warm-up
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True, help="JSON file written by bench_vs_trl.py")
@@ -163,6 +182,7 @@ def main() -> None:
         raise RuntimeError(f"expected {total_steps} optimizer steps, TRL ran {len(timer.seconds)}")
     w = tr["warmup_steps"]
     secs, toks = timer.seconds[w:], timer.tokens[w:]
+    floor = fwd_bwd_seconds(model, tok, rows, tr, vocab=len(spec["vocab"]))
     print(f"TRL {trl.__version__}: {total_steps} steps in {wall:.1f} s; timed steps "
           f"{' '.join(f'{s:.2f}' for s in secs)} s; tokens {toks}")
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
@@ -170,6 +190,7 @@ def main() -> None:
     print(json.dumps({"seconds": secs, "tokens": toks, "cpu_seconds": timer.cpu_seconds[w:],
                       "probe_logits_max_abs_diff": max_diff, "warmup_seconds": timer.seconds[:w],
                       "wall_s": wall, "params": n_params, "threads": torch.get_num_threads(),
+                      "hf_fwd_bwd_s": floor,
                       "versions": versions}))
 
 

@@ -303,6 +303,9 @@ def main() -> None:
     print(f"compute: >= {flops_per_token / 1e6:.1f} MFLOP per token; achieved ours {achieved['ours']:.1f}, "
           f"TRL {achieved['trl']:.1f} GFLOP/s; fp32 GEMM peak here {peak:.1f} GFLOP/s on these shapes "
           f"(M={step_tokens}) -> no trainer doing this work can beat TRL by more than {ceiling:.2f}x on this machine")
+    trl_step = statistics.median(trl["seconds"])
+    print(f"floor: {GOAL:g}x TRL means a step in {trl_step / GOAL:.3f} s; one plain HF forward + backward of a "
+          f"step's batch (no generation, no optimizer) takes {trl['hf_fwd_bwd_s']:.3f} s here")
     print(f"1-min load average on {os.cpu_count()} cores: "
           + ", ".join(f"{k} {v:.1f}" for k, v in load.items()))
     versions = {"ours": _versions_main(), "trl_side": trl["versions"]}
@@ -322,7 +325,8 @@ def main() -> None:
                 "probe_logits_max_abs_diff": trl["probe_logits_max_abs_diff"], "cores": os.cpu_count(),
                 "flops_per_token": flops_per_token, "ours_gflops": round(achieved["ours"], 1),
                 "trl_gflops": round(achieved["trl"], 1), "gemm_peak_gflops": round(peak, 1),
-                "ceiling_ratio": round(ceiling, 2),
+                "ceiling_ratio": round(ceiling, 2), "trl_median_step_s": round(trl_step, 4),
+                "hf_fwd_bwd_s": round(trl["hf_fwd_bwd_s"], 4),
                 "load_avg_1min": {k: round(v, 2) for k, v in load.items()}, "versions": versions}
     print(json.dumps(figures))
 
