@@ -485,6 +485,8 @@ class TrainerConfig:
     """Supervised warm-up steps on the task's answers before RL (the embedded default uses it; cached in the run directory)."""
     sft_warmup_lr: float = 1e-3
     """Learning rate of the supervised warm-up."""
+    sft_warmup_target_acc: float = 0.0
+    """Stop the warm-up early once the policy's accuracy on the first 256 training problems (sampled with rollout.val_kwargs, mean@n; checked every 50 steps) reaches this, so RL starts from a policy that is sometimes right whatever the seed; 0 = run exactly sft_warmup_steps."""
 
     def __post_init__(self):
         _check(self.total_training_steps >= 1, "trainer.total_training_steps", ">= 1", self.total_training_steps)
@@ -497,6 +499,8 @@ class TrainerConfig:
         _check(set(self.logger) <= {"console", "tensorboard"}, "trainer.logger",
                'a list of "console" and/or "tensorboard"', self.logger)
         _check(self.sft_warmup_steps >= 0, "trainer.sft_warmup_steps", ">= 0", self.sft_warmup_steps)
+        _check(0.0 <= self.sft_warmup_target_acc < 1.0, "trainer.sft_warmup_target_acc", "in [0, 1)",
+               self.sft_warmup_target_acc)
         _check(bool(self.experiment_name) and "/" not in self.experiment_name, "trainer.experiment_name",
                "a non-empty name without '/'", self.experiment_name)
 

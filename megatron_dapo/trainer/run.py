@@ -168,6 +168,27 @@ def build_parts(cfg: Config):
     return parts
 
 
+def _warmup_probe(cfg: Config, parts):
+    """The warm-up's accuracy check (trainer.sft_warmup_target_acc): mean@n with rollout.val_kwargs on the
+    first sft.PROBE_SIZE training problems, rank 0's value on every rank (all ranks stop together)."""
+    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.trainer.sft import PROBE_SIZE
+    from megatron_dapo.trainer.validate import validate
+
+    subset = PromptDataset([parts.train_data[i] for i in range(min(PROBE_SIZE, len(parts.train_data)))])
+
+    def probe() -> float:
+        out = validate(parts.engine, subset, cfg, tokenizer=parts.tokenizer, reward_manager=parts.reward_manager,
+                       seed=cfg.trainer.seed)
+        accs = [v for k, v in out.items() if "/acc/mean@" in k]
+        acc = torch.tensor([sum(accs) / len(accs)], device=parts.pgs.device)
+        if torch.distributed.is_initialized() and parts.pgs.world_size > 1:
+            torch.distributed.broadcast(acc, src=0)
+        return float(acc.item())
+
+    return probe
+
+
 def build_trainer(cfg: Config):
     """Parts, the supervised warm-up, the reference (when a KL term is used), then the trainer:
     the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
@@ -182,7 +203,7 @@ def build_trainer(cfg: Config):
     parts = build_parts(cfg)
     if cfg.trainer.sft_warmup_steps and cfg.data.task == "arithmetic":
         m = sft_warmup(parts.actor, arithmetic_sft_examples(parts.train_data, parts.tokenizer), cfg,
-                       pad_id=parts.tokenizer.pad_id, rank=parts.pgs.rank)
+                       pad_id=parts.tokenizer.pad_id, rank=parts.pgs.rank, probe=_warmup_probe(cfg, parts))
         log.info("supervised warm-up: %s", m)
     if cfg.needs_reference:  # a frozen copy of the (warmed-up) initial policy
         parts.reference = build_reference(cfg, parts.pgs, vocab_size=parts.tokenizer.vocab_size,

@@ -1,0 +1,71 @@
+"""The supervised warm-up: NLL steps that lower the loss, the cache, and the early stop at a target accuracy."""
+
+import pytest
+import torch
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.arithmetic import arithmetic_sft_examples
+from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.trainer import sft
+from megatron_dapo.trainer.run import build_parts
+
+SMALL = ["data.arithmetic.num_train=64", "data.arithmetic.num_val=8", "trainer.sft_warmup_lr=2e-3"]
+
+
+def _parts(tmp_path, *extra):
+    cfg = load_config("configs/tiny_cpu.yaml", SMALL + [f"trainer.output_dir={tmp_path}", *extra])
+    return cfg, build_parts(cfg)
+
+
+def _weights(actor) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for c in actor.policy.chunks
+                      for p in unwrap_model(c).parameters()])
+
+
+def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
+    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0")
+    examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
+    first = parts.actor.supervised_step(sft._batch(examples[:64], parts.tokenizer.pad_id), lr=0.0)  # lr 0: a probe
+    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, batch_size=16)
+    assert m["sft/steps"] == 30 and "sft/probe_acc" not in m
+    after = parts.actor.supervised_step(sft._batch(examples[:64], parts.tokenizer.pad_id), lr=0.0)
+    assert after["actor/pg_loss"] < 0.7 * first["actor/pg_loss"]
+    warmed = _weights(parts.actor)
+    _, again = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0")
+    assert sft.sft_warmup(again.actor, examples, cfg, pad_id=again.tokenizer.pad_id, rank=0) == {"sft/cached": 1.0}
+    assert torch.equal(_weights(again.actor), warmed)
+    parts.reward_manager.close()
+    again.reward_manager.close()
+
+
+def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sft, "PROBE_EVERY", 4)
+    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=40", "trainer.sft_warmup_target_acc=0.3")
+    examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
+    seen = []
+    readings = iter([0.05, 0.2, 0.31, 0.9])
+    probe = lambda: seen.append(len(seen)) or next(readings)  # noqa: E731
+    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, batch_size=8, probe=probe)
+    assert (m["sft/steps"], m["sft/probe_acc"], len(seen)) == (12, 0.31, 3)
+    with pytest.raises(ValueError, match="needs a probe"):
+        sft.sft_warmup(parts.actor, examples, load_config("configs/tiny_cpu.yaml", SMALL + [
+            f"trainer.output_dir={tmp_path}/b", "trainer.sft_warmup_steps=8", "trainer.sft_warmup_target_acc=0.3"]),
+            pad_id=parts.tokenizer.pad_id, rank=0)
+    with pytest.raises(ConfigError, match="sft_warmup_target_acc"):
+        load_config("configs/tiny_cpu.yaml", ["trainer.sft_warmup_target_acc=1.0"])
+    parts.reward_manager.close()
+
+
+def test_the_run_probes_accuracy_on_training_problems(tmp_path):
+    """build_trainer's probe: mean@n of the live policy on the first training problems, in [0, 1]."""
+    from megatron_dapo.trainer.run import _warmup_probe
+
+    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=10", "trainer.sft_warmup_target_acc=0.5")
+    calls = []
+    real = parts.engine.generate
+    parts.engine.generate = lambda prompts, sampling: calls.append([p.prompt_id for p in prompts]) or real(prompts, sampling)
+    acc = _warmup_probe(cfg, parts)()
+    assert 0.0 <= acc <= 1.0
+    ids = [pid for batch in calls for pid in batch]
+    assert ids and all(pid.startswith("arith-train-") for pid in ids), ids[:3]
+    parts.reward_manager.close()
