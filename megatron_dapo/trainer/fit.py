@@ -82,7 +82,7 @@ class DAPOTrainer:
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
-        self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) of this process's validations
+        self.first_val: tuple[int, dict[str, float]] | None = None  # (step, metrics) of this process's first validation
         self.old_from_update = old_log_prob_from_update(cfg, self.rc, parts.actor)
 
     # ---------------------------------------------------------------------------------------------
@@ -230,7 +230,8 @@ class DAPOTrainer:
     def _validate(self) -> dict[str, float]:
         self.last_val = validate(self.p.engine, self.p.val_data, self.cfg, tokenizer=self.p.tokenizer,
                                  reward_manager=self.p.reward_manager, seed=self.cfg.trainer.seed + self.global_step)
-        self.val_history.append((self.global_step, self.last_val))
+        if self.first_val is None:
+            self.first_val = (self.global_step, self.last_val)
         return self.last_val
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -203,7 +203,8 @@ def build_trainer(cfg: Config):
     parts = build_parts(cfg)
     if cfg.trainer.sft_warmup_steps and cfg.data.task == "arithmetic":
         m = sft_warmup(parts.actor, arithmetic_sft_examples(parts.train_data, parts.tokenizer), cfg,
-                       pad_id=parts.tokenizer.pad_id, rank=parts.pgs.rank, probe=_warmup_probe(cfg, parts))
+                       pad_id=parts.tokenizer.pad_id, rank=parts.pgs.rank,
+                       probe=_warmup_probe(cfg, parts) if cfg.trainer.sft_warmup_target_acc > 0 else None)
         log.info("supervised warm-up: %s", m)
     if cfg.needs_reference:  # a frozen copy of the (warmed-up) initial policy
         parts.reference = build_reference(cfg, parts.pgs, vocab_size=parts.tokenizer.vocab_size,
@@ -230,7 +231,7 @@ def run(cfg: Config) -> int:
     if parts.pgs.rank == 0:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
         print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")
-        first_step, first = trainer.val_history[0] if trainer.val_history else (None, {})
+        first_step, first = trainer.first_val or (None, {})
         for k, v in sorted(val.items()):
             since = f"  (step {first_step}: {first[k]:.4f})" if k in first and first_step != trainer.global_step else ""
             print(f"  {k} = {v:.4f}{since}")
