@@ -16,6 +16,7 @@ where world = etp * ep * expert_dp * pp.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -138,7 +139,19 @@ def _start_world(backend: str, timeout_minutes: int) -> tuple[int, int, int]:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_loopback_port()}",
                                 rank=0, world_size=1, timeout=timeout)
     _OWNS_WORLD = True
+    atexit.register(_destroy_at_exit)
     return rank, world, local_rank
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the groups this process created before the interpreter tears down: a gloo group left
+    to the C++ destructors at exit can abort the process ("terminate called without an active
+    exception", exit code -6) after all its work succeeded."""
+    if _OWNS_WORLD and dist.is_initialized():
+        try:
+            destroy_parallel(destroy_world=True)
+        except Exception:  # noqa: BLE001 - exiting anyway; never mask the real exit status
+            pass
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp: int | None = None,
