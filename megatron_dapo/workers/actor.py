@@ -375,6 +375,7 @@ class Actor:
         self._check_update_batch(batch)
         if B % rows_per_mini:
             raise ValueError(f"batch of {B} rows is not a multiple of ppo_mini_batch_size*n = {rows_per_mini}")
+        self._begin_training_step()
         for m in self.policy.chunks:
             m.train()
         history: list[dict[str, Tensor]] = []
@@ -403,6 +404,7 @@ class Actor:
         self._check_update_batch(batch)
         B, T = batch.responses.shape
         record = {"lp": torch.zeros(B, T), "sq": torch.zeros(B, T) if with_sum_sq and not self.policy.fused else None}
+        self._begin_training_step()
         for m in self.policy.chunks:
             m.train()
         out = self._update_mini(batch, list(range(B)), record=record)
@@ -415,6 +417,10 @@ class Actor:
         stacked = stacked.cpu()
         lp = LogProbs(stacked[0] * batch.response_mask, None, stacked[1] if record["sq"] is not None else None)
         return {k: float(v) for k, v in out.items()}, lp
+
+    def _begin_training_step(self) -> None:
+        """Advance the LR schedule by one training step (every mini-batch of the step shares its lr)."""
+        self.scheduler.step(increment=1)
 
     def _check_update_batch(self, batch: PolicyBatch) -> None:
         if self.cfg.use_kl_loss and batch.ref_log_probs is None:
@@ -431,7 +437,7 @@ class Actor:
         for m in self.policy.chunks:
             m.train()
         try:
-            out = self._update_mini(batch, list(range(len(batch))), step_scheduler=False)
+            out = self._update_mini(batch, list(range(len(batch))))
         finally:
             self.loss_fn = saved
             self.scheduler.step(increment=0)  # restore the RL schedule's learning rate
@@ -442,8 +448,7 @@ class Actor:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.optimizer.state.clear()
 
-    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, step_scheduler: bool = True,
-                     record: dict | None = None) -> dict[str, Tensor]:
+    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, record: dict | None = None) -> dict[str, Tensor]:
         mask = batch.response_mask[mini]
         denom = {"tokens": mask.sum().to(self.pgs.device),
                  "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
@@ -469,8 +474,6 @@ class Actor:
             if replay is not None:
                 self.policy._set_replay_action(None)
         ok, grad_norm, _ = self.optimizer.step()
-        if step_scheduler:
-            self.scheduler.step(increment=1)
         return self._reduce(totals, grad_norm, ok)
 
     def _reduce(self, totals: dict[str, Tensor], grad_norm, ok: bool) -> dict[str, Tensor]:

@@ -90,7 +90,10 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
     for c in chunks:
         c.config.finalize_model_grads_func = finalize_model_grads
         c.config.grad_scale_func = optimizer.scale_loss
-    steps = cfg.trainer.total_training_steps * a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    # The schedule counts training steps, as verl's does: every mini-batch of step k runs at the same
+    # lr, warm-up over actor.lr_warmup_steps steps, decay over trainer.total_training_steps. The actor
+    # advances it at the start of each step, so step 1 already trains at lr * 1/warmup (not at 0).
+    steps = cfg.trainer.total_training_steps
     warmup = min(a.lr_warmup_steps, max(steps - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else a.lr, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=warmup,

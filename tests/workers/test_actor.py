@@ -311,3 +311,26 @@ def test_router_replay_trains_with_the_recorded_expert_choices(pgs):
             assert torch.equal(chosen[: rec.shape[0], k], expected), (layer, row)
     _, fresh = routed_sets(False)
     assert any(not torch.equal(x, y) for x, y in zip(seen, fresh))
+
+
+def test_lr_warmup_counts_training_steps_not_optimizer_steps(pgs):
+    """actor.lr_warmup_steps counts training steps (verl's unit): with 4 mini-batches per step and a
+    4-step warm-up, step k trains at lr * k / 4 on every mini-batch, then at lr; never at 0."""
+    lr = 1e-3
+    a = make_actor(pgs, **{"actor.lr_warmup_steps": 4, "actor.ppo_mini_batch_size": 1,
+                           "trainer.total_training_steps": 10})
+    seen = []
+    step = a.optimizer.step
+
+    def spy():
+        seen.append(a.optimizer.param_groups[0]["lr"])
+        return step()
+
+    a.optimizer.step = spy
+    raw = random_batch()
+    for _ in range(6):
+        metrics = a.update_policy(policy_batch(a, raw))
+        assert metrics["actor/lr"] == pytest.approx(seen[-1])
+    per_step = [seen[i:i + 4] for i in range(0, len(seen), 4)]
+    assert len(per_step) == 6 and all(len(set(s)) == 1 for s in per_step)  # one lr per training step
+    assert [s[0] for s in per_step] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr])
