@@ -99,8 +99,6 @@ class ModelConfig:
     """Architecture: tiny, tiny_moe, qwen2.5-32b, qwen3-30b-a3b, or hf (read from hf_path/config.json)."""
     hf_path: str = ""
     """HF checkpoint directory to initialise the actor (and reference) from; empty trains from scratch. [recipe: actor_rollout_ref.model.path]"""
-    load: str = ""
-    """Megatron distributed checkpoint to initialise from (weights only)."""
     params_dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter and compute dtype of the actor and reference."""
     mtp_num_layers: int = 0
@@ -338,7 +336,7 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
     """Penalty at the limit. [recipe: reward_model.overlong_buffer.penalty_factor]"""
     log: bool = False
-    """Also log the overlong penalty statistics. [recipe: reward_model.overlong_buffer.log]"""
+    """Also log the overlong penalty statistics (reward/overlong_penalty/mean|min, reward/overlong_penalized_ratio, reward/overlong_ratio). [recipe: reward_model.overlong_buffer.log]"""
 
     def __post_init__(self):
         _check(self.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", ">= 0", self.penalty_factor)

@@ -120,6 +120,28 @@ def compute_data_metrics(
     return dict(zip(names, flat, strict=True))
 
 
+def compute_overlong_metrics(*, overlong_reward, overlong, aborted: Tensor | None = None) -> dict[str, float]:
+    """`reward.overlong_buffer.log`: the overlong penalty over the batch's finished responses.
+
+    overlong_reward [B] float (the penalty, <= 0), overlong [B] bool (the response hit
+    max_response_length). Metrics: `reward/overlong_penalty/mean|min` and
+    `reward/overlong_penalized_ratio` (responses with a penalty < 0), `reward/overlong_ratio`
+    (responses that reached the limit). An empty batch (or all aborted) gives zeros, never NaN.
+    """
+    pen = torch.as_tensor(overlong_reward, dtype=torch.float32).reshape(-1)
+    hit = torch.as_tensor(overlong, dtype=torch.bool).reshape(-1)
+    _check_vector("overlong", hit, pen.numel())
+    if aborted is not None:
+        keep = ~torch.as_tensor(aborted, dtype=torch.bool).reshape(-1)
+        pen, hit = pen[keep], hit[keep]
+    if pen.numel() == 0:
+        return {"reward/overlong_penalty/mean": 0.0, "reward/overlong_penalty/min": 0.0,
+                "reward/overlong_penalized_ratio": 0.0, "reward/overlong_ratio": 0.0}
+    return {"reward/overlong_penalty/mean": float(pen.mean()), "reward/overlong_penalty/min": float(pen.min()),
+            "reward/overlong_penalized_ratio": float((pen < 0).float().mean()),
+            "reward/overlong_ratio": float(hit.float().mean())}
+
+
 def _mean_max_min(x: Tensor) -> Tensor:
     """[3] tensor (mean, max, min) of a 1-D tensor; zeros when it is empty (no NaN, see docstring)."""
     if x.numel() == 0:

@@ -1,7 +1,7 @@
 """DAPO dynamic sampling across generation batches (DESIGN.md step 4).
 
 Each generation batch is scored, then only the groups whose `filter_groups.metric` is not constant
-are kept (`algos.dynamic_sampling.select_informative_groups`). Kept groups accumulate over further
+over their non-aborted responses are kept (`algos.dynamic_sampling.select_informative_groups`). Kept groups accumulate over further
 generation batches until `train_batch_size` prompts are available; the batch is then trimmed to
 `train_batch_size * n` rows. Past `max_num_gen_batches` (<= 0: no limit) the recipe raises; with
 `on_exhausted="train_on_available"` the step trains on the groups kept so far (rounded down to whole
@@ -49,7 +49,11 @@ class GroupBuffer:
             self.num_prompts += len(batch) // self.n
             return
         index = batch.rollout.index
-        kept = set(select_informative_groups(index, batch.metric_values(self.metric)))
+        # Aborted responses carry no signal (their score is not an answer): the metric of a group is
+        # decided by its finished responses only, and a group with none is dropped.
+        live = [i for i, a in enumerate(batch.rollout.aborted.tolist()) if not a]
+        values = batch.metric_values(self.metric)
+        kept = set(select_informative_groups([index[i] for i in live], [values[i] for i in live]))
         rows = [i for i, uid in enumerate(index) if uid in kept]
         self.dropped_groups += len(set(index)) - len(kept)
         if rows:

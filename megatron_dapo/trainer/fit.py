@@ -24,6 +24,7 @@ from megatron_dapo.metrics import (
     MoELoadBalanceAccumulator,
     StageTimer,
     compute_data_metrics,
+    compute_overlong_metrics,
     compute_spec_decode_metrics,
     compute_throughout_metrics,
     compute_timing_metrics,
@@ -188,7 +189,7 @@ class DAPOTrainer:
             metrics.update(adv.metrics)
         with timer("update_critic"):
             pass  # no critic
-        if cfg.trainer.critic_warmup <= self.global_step:
+        if cfg.trainer.critic_warmup <= step:  # the current step, as verl compares
             pb = stages.policy_batch(batch, mask=mask, old_log_probs=old, advantages=adv.advantages,
                                      ref_log_probs=ref if cfg.actor.use_kl_loss else None, is_weights=is_weights)
             with timer("update_actor"):
@@ -210,6 +211,9 @@ class DAPOTrainer:
             response_mask=mask, response_length=rb.response_length, prompt_length=rb.prompt_length,
             max_response_length=cfg.data.max_response_length, aborted=rb.aborted,
             max_prompt_length=cfg.data.max_prompt_length))
+        if cfg.reward.overlong_buffer.log:
+            metrics.update(compute_overlong_metrics(overlong_reward=batch.extra["overlong_reward"],
+                                                    overlong=batch.extra["overlong"], aborted=rb.aborted))
         metrics["critic/acc/mean"] = float(torch.tensor([float(a) for a in batch.extra["acc"]]).mean())
         metrics["reward/num_errors"] = float(sum(bool(e) for e in batch.extra.get("error", [])))
         metrics.update(compute_spec_decode_metrics(rb.meta))

@@ -66,7 +66,8 @@ def compute_advantages(batch: ScoredBatch, mask: Tensor, *, adv_fn, estimator: s
                        gamma: float, lam: float, kl_in_reward: dict | None, old_log_probs: Tensor | None,
                        ref_log_probs: Tensor | None) -> Advantages:
     """Token-level rewards (the sequence reward on the last token, minus a KL penalty when
-    KL is in the reward), then the registered estimator."""
+    KL is in the reward), then the registered estimator over the non-aborted rows only: an aborted
+    response is no sample of its group (it would shift the group's mean and std); its advantage is 0."""
     rb = batch.rollout
     rewards = token_level(batch.rewards, rb.response_length, rb.responses.shape[1])
     metrics: dict[str, float] = {}
@@ -77,16 +78,21 @@ def compute_advantages(batch: ScoredBatch, mask: Tensor, *, adv_fn, estimator: s
         seq_kl = (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         kl_in_reward["controller"].update(float(seq_kl), n_steps=len(batch))
         metrics.update({"actor/reward_kl_penalty": float(seq_kl), "actor/reward_kl_penalty_coeff": beta})
-    kwargs = dict(token_level_rewards=rewards, response_mask=mask)
+    live = torch.nonzero(~rb.aborted).squeeze(1)
+    index = [rb.index[i] for i in live.tolist()]
+    kwargs = dict(token_level_rewards=rewards[live], response_mask=mask[live])
     if estimator in ("grpo", "grpo_vectorized"):
-        kwargs.update(index=rb.index, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        kwargs.update(index=index, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
     elif estimator == "rloo":
-        kwargs.update(index=rb.index)
+        kwargs.update(index=index)
     elif estimator == "reinforce_plus_plus":
         kwargs.update(gamma=gamma)
     elif estimator == "gae":
         raise ValueError("algorithm.adv_estimator=gae needs a critic, which this trainer does not build yet")
-    adv, ret = adv_fn(**kwargs)
+    adv, ret = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    if len(live):
+        adv_live, ret_live = adv_fn(**kwargs)
+        adv[live], ret[live] = adv_live, ret_live
     return Advantages(adv, ret, rewards, metrics)
 
 

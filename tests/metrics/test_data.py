@@ -154,3 +154,16 @@ def test_empty_batch_is_an_error():
     )
     with pytest.raises(ValueError, match="B=0"):
         compute_data_metrics(**empty)
+
+
+def test_overlong_metrics_by_hand():
+    from megatron_dapo.metrics import compute_overlong_metrics
+
+    m = compute_overlong_metrics(overlong_reward=[0.0, -0.5, -1.0, 0.0, -0.25], overlong=[False, False, True, False, True],
+                                 aborted=torch.tensor([False, False, False, False, True]))
+    assert m == pytest.approx({"reward/overlong_penalty/mean": -1.5 / 4, "reward/overlong_penalty/min": -1.0,
+                               "reward/overlong_penalized_ratio": 0.5, "reward/overlong_ratio": 0.25})
+    empty = compute_overlong_metrics(overlong_reward=[-1.0], overlong=[True], aborted=torch.tensor([True]))
+    assert set(empty.values()) == {0.0}
+    with pytest.raises(ValueError, match="overlong"):
+        compute_overlong_metrics(overlong_reward=[0.0, 0.0], overlong=[True])

@@ -78,3 +78,13 @@ def test_buffer_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     (b1, _), (b2, _) = b.take(), restored.take()
     assert b1.rollout.index == b2.rollout.index == ["a", "a", "c", "c", "d", "d"]
     assert torch.equal(b1.rollout.responses, b2.rollout.responses) and b1.extra == b2.extra
+
+
+def test_aborted_responses_do_not_make_a_group_informative():
+    """Three correct answers and one abort: the finished responses agree, so the group carries no
+    signal and is dropped (the abort's score is not an answer); a group of only aborts is dropped too."""
+    b = buf(train_batch_size=1, n=4)
+    b.add(scored({"a": [1, 1, 1, 0], "b": [0, 0, 1, 1], "c": [0, 1, 0, 1]},
+                 aborted=frozenset({("a", 3), ("c", 0), ("c", 1), ("c", 2), ("c", 3)})))
+    batch, m = b.take()
+    assert batch.rollout.index == ["b"] * 4 and m["train/num_dropped_groups"] == 2.0

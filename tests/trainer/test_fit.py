@@ -41,7 +41,7 @@ DESIGN_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages
 
 
 def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path, capsys):
-    cfg = _cfg(tmp_path, "trainer.total_training_steps=2", "trainer.experiment_name=e2e")
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=2", "trainer.experiment_name=e2e", "reward.overlong_buffer.log=true")
     assert run(cfg) == 0
     summary = capsys.readouterr().out  # the final validation, next to the one before training
     assert re.search(r"val/arithmetic/acc/mean@4 = [0-9.]+  \(step 0: [0-9.]+\)", summary), summary
@@ -54,6 +54,10 @@ def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path, capsys)
     assert scalars["rollout_corr/log_prob_abs_diff"][1] < 1e-5
     rows = [json.loads(line) for line in (tmp_path / "dumps/step_1.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 4 and {r["sample_index"] for r in rows} == {0, 1, 2, 3}
+    # reward.overlong_buffer.log: the logged penalty is the trained rows' reward - score.
+    penalty = [r["reward"] - r["score"] for r in rows]
+    assert scalars["reward/overlong_penalty/mean"][1] == pytest.approx(sum(penalty) / len(penalty), abs=1e-6)
+    assert scalars["reward/overlong_penalty/min"][1] == pytest.approx(min(penalty), abs=1e-6)
     ckpt = tmp_path / "e2e/ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "global_step_2/trainer_state.pt").exists() and not (ckpt / "inflight.pt").exists()
@@ -169,3 +173,34 @@ def test_on_policy_old_log_prob_from_the_update_equals_a_separate_pass(tmp_path,
     for extra in (["actor.ppo_mini_batch_size=2"], args[:1] + ["algorithm.rollout_correction.preset=decoupled_token_is"]):
         cfg = _cfg(tmp_path, *extra)
         assert not fit.old_log_prob_from_update(cfg, resolve_rollout_correction(cfg), None), extra
+
+
+def test_critic_warmup_compares_with_the_current_step_as_verl(tmp_path):
+    """trainer.critic_warmup=2: verl's `critic_warmup <= global_steps` with the current step, so the actor
+    first updates at step 2 (step 1 only generates and scores)."""
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=2", "trainer.experiment_name=cw", "trainer.critic_warmup=2",
+               "trainer.test_freq=0", "trainer.val_before_train=false")
+    assert run(cfg) == 0
+    scalars = _scalars(tmp_path / "cw")
+    assert set(scalars["actor/pg_loss"]) == {2} and set(scalars["critic/score/mean"]) == {1, 2}
+
+
+def test_aborted_responses_are_excluded_from_the_group_advantages():
+    """GRPO over the finished responses only: 3 correct + 1 aborted gives the 3 an advantage of 0 (their
+    group agrees), not the positive one a score of 0 for the abort would give; the abort gets 0."""
+    import torch
+
+    from megatron_dapo.algos.advantage import get_adv_estimator_fn
+    from megatron_dapo.trainer import stages
+    from tests.trainer._batches import scored
+
+    batch = scored({"a": [1, 1, 1, 0], "b": [1, 0, 1, 0]}, aborted=frozenset({("a", 3)}))
+    mask = stages.loss_mask(batch, overlong_filter=False, max_response_length=4)
+    adv = stages.compute_advantages(batch, mask, adv_fn=get_adv_estimator_fn("grpo"), estimator="grpo",
+                                    norm_adv_by_std_in_grpo=True, gamma=1.0, lam=1.0, kl_in_reward=None,
+                                    old_log_probs=None, ref_log_probs=None).advantages
+    per_row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
+    assert per_row[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # group b (rewards = acc - 0.1): mean 0.4, unbiased std sqrt(1/3); +-0.5 / (std + 1e-6) on its rows.
+    want = 0.5 / (torch.tensor([1.0, 0.0, 1.0, 0.0]).std().item() + 1e-6)
+    torch.testing.assert_close(per_row[4:], torch.tensor([want, -want, want, -want]), atol=1e-5, rtol=1e-5)
