@@ -21,9 +21,9 @@ def main() -> None:
     args = p.parse_args()
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.batch import PolicyBatch
+    from megatron_dapo.parallel import init_parallel
+    from megatron_dapo.workers.batch import PolicyBatch
     from megatron_dapo.workers.build import build_actor
-    from megatron_dapo.workers.parallel import init_parallel
 
     B, P, T, V = args.rows, args.prompt, args.response, 512
     cfg = load_config("configs/tiny_cpu.yaml", [

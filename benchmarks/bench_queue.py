@@ -158,7 +158,6 @@ def bench_trainers(out: pathlib.Path, steps: int, with_async: bool) -> dict[str,
     import logging
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.queue_trainer import run_queue
     from megatron_dapo.trainer.run import run
 
     logging.disable(logging.INFO)
@@ -166,9 +165,9 @@ def bench_trainers(out: pathlib.Path, steps: int, with_async: bool) -> dict[str,
         f"trainer.output_dir={out}", f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}",
         *extra])
     figures = {}
-    runs = [("sync_trainer", run, cfg("fit")), ("queue_trainer_sync", run_queue, cfg("qsync", "queue.enable=true"))]
+    runs = [("sync_trainer", run, cfg("fit")), ("queue_trainer_sync", run, cfg("qsync", "queue.enable=true"))]
     if with_async:
-        runs.append(("queue_trainer_async", run_queue, cfg("qasync", "queue.enable=true", "queue.max_staleness=1")))
+        runs.append(("queue_trainer_async", run, cfg("qasync", "queue.enable=true", "queue.max_staleness=1")))
     for label, fn, c in runs:
         t0 = time.perf_counter()
         fn(c)

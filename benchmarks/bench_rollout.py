@@ -33,9 +33,9 @@ def main() -> None:
 
     from megatron_dapo.models.arch import get_arch
     from megatron_dapo.models.builder import build_gpt_model
+    from megatron_dapo.parallel import destroy_parallel, init_parallel
     from megatron_dapo.rollout.base import PromptInput, SamplingParams
     from megatron_dapo.rollout.local_engine import LocalEngine
-    from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
 
     pgs = init_parallel()
     arch = get_arch("tiny", hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,

@@ -112,10 +112,10 @@ def run_ours(*, steps: int, warmup: int, threads: int, out_dir: str) -> tuple[di
     from megatron_dapo.data.tokenizer import CharTokenizer
     from megatron_dapo.models.forward import logits_forward, unwrap_model
     from megatron_dapo.models.hf import save_mcore_as_hf
+    from megatron_dapo.parallel import destroy_parallel
     from megatron_dapo.trainer.fit import DAPOTrainer
     from megatron_dapo.trainer.run import build_parts
     from megatron_dapo.workers.model_arch import model_arch
-    from megatron_dapo.workers.parallel import destroy_parallel
 
     torch.set_num_threads(threads)
     total = warmup + steps

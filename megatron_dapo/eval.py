@@ -62,7 +62,7 @@ def _parse(argv):
 
 def _load_model(path: str, tokenizer_spec: str | None):
     """(GPTModel, tokenizer spec, pgs) from an HF directory or a trainer checkpoint."""
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     pgs = init_parallel()
     if os.path.exists(os.path.join(path, "config.json")):

@@ -201,7 +201,7 @@ import torch
 import torch.distributed as dist
 from megatron_dapo.config import load_config
 from megatron_dapo.workers.build import build_actor
-from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
+from megatron_dapo.parallel import destroy_parallel, init_parallel
 
 
 def measure(overrides):

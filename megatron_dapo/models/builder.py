@@ -203,13 +203,13 @@ def build_gpt_model(
 ):
     """Build this rank's GPTModel (one pipeline stage, or one virtual stage `vp_stage`).
 
-    pgs: workers.parallel.ParallelGroups. device: defaults to pgs.device. seed: re-seeds torch
+    pgs: parallel.ParallelGroups. device: defaults to pgs.device. seed: re-seeds torch
     and Megatron's RNG tracker before building (None keeps the current RNG state); with
     use_cpu_initialization (CPU) the same seed gives the same weights at any TP size.
     pre_process / post_process default to "this is the first / last (virtual) stage".
     Returns a CausalGPTModel (a GPTModel whose attention_mask defaults to causal).
     """
-    from megatron_dapo.workers.parallel import seed_parallel_rng
+    from megatron_dapo.parallel import seed_parallel_rng
 
     device = torch.device(device) if device is not None else pgs.device
     backend = backend or default_backend(device)

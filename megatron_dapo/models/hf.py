@@ -316,7 +316,7 @@ def load_hf_as_mcore(hf_dir: str, *, pgs=None, tp: int = 1, pp: int = 1, ep: int
     model(input_ids [B, S], position_ids [B, S]) gives logits [B, S, V/tp] with a causal mask.
     """
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     arch = arch_from_hf(hf_dir)
     if pgs is None:

@@ -153,7 +153,7 @@ class LocalEngine(RolloutEngine):
 
     model: the GPTModel the actor trains, bare or wrapped (DDP / Float16Module); the engine runs
     the unwrapped GPTModel and flips the wrapper between eval and its previous mode.
-    pgs: workers.parallel.ParallelGroups (pgs.tp, pgs.device). eos_token_id: ends a response
+    pgs: parallel.ParallelGroups (pgs.tp, pgs.device). eos_token_id: ends a response
     (None: only SamplingParams.stop_token_ids do, e.g. for benchmarks). pad_token_id: fed to rows
     that finished. max_batch_size: rows per forward. use_kv_cache: False re-runs the whole
     sequence every step (the reference path).

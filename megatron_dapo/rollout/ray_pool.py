@@ -164,7 +164,7 @@ class LocalEngineFactory:
 
     arch: the model (models.arch.ModelArch, e.g. workers.model_arch.model_arch(cfg, vocab_size=V)).
     seed: initial weights (engines with the same seed start identical; update_weights replaces
-    them anyway). The process gets a world of one (workers.parallel.init_parallel()).
+    them anyway). The process gets a world of one (parallel.init_parallel()).
     """
 
     arch: Any
@@ -176,8 +176,8 @@ class LocalEngineFactory:
 
     def __call__(self) -> RolloutEngine:
         from megatron_dapo.models.builder import build_gpt_model
+        from megatron_dapo.parallel import init_parallel
         from megatron_dapo.rollout.local_engine import LocalEngine
-        from megatron_dapo.workers.parallel import init_parallel
 
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
         if self.params_dtype not in dtypes:

@@ -8,7 +8,7 @@ Shape legend:
     gen    -> RolloutBatch (rollout/base.py)
     reward -> ScoredBatch  = RolloutBatch + texts + scores/rewards + reward extra info
     dynamic sampling keeps whole groups of ScoredBatch rows (select_rows / concat_scored)
-    old_log_prob, ref, adv -> PolicyBatch, what the actor's update consumes
+    old_log_prob, ref, adv -> PolicyBatch (workers/batch.py: the actor defines what it consumes)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.rollout.base import RolloutBatch
+from megatron_dapo.workers.batch import select_record
 
 
 @dataclass(frozen=True)
@@ -50,51 +51,8 @@ class ScoredBatch:
         return list(self.extra[metric])
 
 
-@dataclass(frozen=True)
-class PolicyBatch:
-    """What the actor update consumes. All [B, T] tensors are zero on padding."""
-
-    prompt_ids: Tensor  # [B, P] int64
-    prompt_length: Tensor  # [B] int64
-    responses: Tensor  # [B, T] int64
-    response_length: Tensor  # [B] int64
-    response_mask: Tensor  # [B, T] float32, after overlong filtering and rejection sampling
-    old_log_probs: Tensor | None  # [B, T] float32; None: taken from the update's own forward (on-policy)
-    advantages: Tensor  # [B, T] float32
-    rollout_log_probs: Tensor  # [B, T] float32 (first-step invariant, bypass-mode metrics)
-    index: list[str]  # [B] prompt uid per row
-    ref_log_probs: Tensor | None = None  # [B, T] float32 when a KL loss is used
-    rollout_is_weights: Tensor | None = None  # [B, T] float32 when rollout IS is on
-
-    def __len__(self) -> int:
-        return self.responses.shape[0]
-
-    def select(self, rows: Tensor | Sequence[int]) -> PolicyBatch:
-        return _select(self, rows)
-
-
-def _select(record, rows):
-    rows_t = torch.as_tensor(list(rows) if not isinstance(rows, Tensor) else rows, dtype=torch.long)
-    out = {}
-    for f in dataclasses.fields(record):
-        v = getattr(record, f.name)
-        if isinstance(v, Tensor):
-            out[f.name] = v.index_select(0, rows_t)
-        elif isinstance(v, list):
-            out[f.name] = [v[i] for i in rows_t.tolist()]
-        elif isinstance(v, dict):
-            out[f.name] = {k: [vals[i] for i in rows_t.tolist()] for k, vals in v.items()}
-        elif v is None:
-            out[f.name] = None
-        elif dataclasses.is_dataclass(v):
-            out[f.name] = _select(v, rows_t)
-        else:
-            raise TypeError(f"cannot select rows of field {f.name!r} ({type(v).__name__})")
-    return type(record)(**out)
-
-
 def select_rows(batch: ScoredBatch, rows: Sequence[int]) -> ScoredBatch:
-    return _select(batch, rows)
+    return select_record(batch, rows)
 
 
 def _pad_cat(tensors: list[Tensor], pad_value) -> Tensor:

@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,26 +38,44 @@ from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
 from megatron_dapo.trainer.validate import validate
 
+if TYPE_CHECKING:  # annotations only: importing these here would load Megatron for every trainer import
+    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.data.sampler import ResumableSampler
+    from megatron_dapo.data.tokenizer import Tokenizer
+    from megatron_dapo.metrics.logger import MetricsLogger
+    from megatron_dapo.parallel import ParallelGroups
+    from megatron_dapo.rewards.manager import RewardManager
+    from megatron_dapo.rollout.base import RolloutEngine
+    from megatron_dapo.workers.actor import Actor, PolicyModel
+
 log = logging.getLogger(__name__)
+
+
+class KLController(Protocol):
+    """algos.kl.FixedKLController / AdaptiveKLController."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None: ...
 
 
 @dataclass
 class TrainerParts:
     """Everything `fit` drives, built by `trainer/run.py` (or by a test with its own parts)."""
 
-    actor: object  # workers.actor.Actor
-    engine: object  # rollout.base.RolloutEngine
-    tokenizer: object
-    reward_manager: object
-    train_data: object  # data.dataset.PromptDataset
-    val_data: object | None
-    sampler: object  # data.sampler.ResumableSampler
-    logger: object  # metrics.logger.MetricsLogger (None on ranks > 0)
-    pgs: object
-    reference: object | None = None  # workers.actor.PolicyModel when a KL term is used
-    adv_fn: object = None
-    kl_ctrl: object | None = None
-    sync_weights: object = None  # callable(policy_version): push the actor's weights to the engine
+    actor: Actor
+    engine: RolloutEngine
+    tokenizer: Tokenizer
+    reward_manager: RewardManager
+    train_data: PromptDataset
+    val_data: PromptDataset | None
+    sampler: ResumableSampler
+    logger: MetricsLogger | None  # None on ranks > 0
+    pgs: ParallelGroups
+    reference: PolicyModel | None = None  # built only when a KL term is used
+    adv_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # algos.advantage registry entry
+    kl_ctrl: KLController | None = None
+    sync_weights: Callable[[int], None] | None = None  # sync_weights(policy_version): actor -> engine
 
 
 def old_log_prob_from_update(cfg: Config, rc: dict, actor) -> bool:

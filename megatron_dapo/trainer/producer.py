@@ -332,9 +332,9 @@ def producer_main(cfg, queue: TransferQueue, producer_id: int, weights_dir: str,
 def build_producer_engine(cfg):
     """A single-process world with the actor's architecture and a LocalEngine on it (TP = PP = 1)."""
     from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.parallel import init_parallel
     from megatron_dapo.rollout.local_engine import LocalEngine
     from megatron_dapo.workers.build import build_model_chunks, model_arch
-    from megatron_dapo.workers.parallel import init_parallel
 
     pgs = init_parallel(seed=cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

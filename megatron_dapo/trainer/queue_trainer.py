@@ -492,24 +492,3 @@ def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for b, r in enumerate(rows):
         out[b, : r.numel()] = r
     return out
-
-
-# ------------------------------------------------------------------------------------ entry point
-
-
-def build_queue_trainer(cfg: Config) -> QueueTrainer:
-    """The queue trainer with the sync trainer's parts (trainer/run.py: build_trainer)."""
-    from megatron_dapo.trainer.run import build_trainer
-
-    if not cfg.queue.enable:
-        raise ValueError("build_queue_trainer needs queue.enable=true")
-    return build_trainer(cfg)
-
-
-def run_queue(cfg: Config) -> int:
-    """`python -m megatron_dapo.train ... queue.enable=true` (the same entry point as the sync trainer)."""
-    from megatron_dapo.trainer.run import run
-
-    if not cfg.queue.enable:
-        raise ValueError("run_queue needs queue.enable=true")
-    return run(cfg)

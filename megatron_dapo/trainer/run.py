@@ -119,10 +119,10 @@ def build_parts(cfg: Config):
     from megatron_dapo.data.sampler import ResumableSampler
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.metrics import MetricsLogger
+    from megatron_dapo.parallel import init_parallel
     from megatron_dapo.rewards.manager import RewardManager, get_reward_fn
     from megatron_dapo.trainer.fit import TrainerParts
     from megatron_dapo.workers.build import build_actor
-    from megatron_dapo.workers.parallel import init_parallel
 
     par = cfg.parallel
     pgs = init_parallel(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,

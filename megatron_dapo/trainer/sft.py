@@ -24,7 +24,7 @@ import random
 import torch
 
 from megatron_dapo.models.forward import unwrap_model
-from megatron_dapo.trainer.batch import PolicyBatch
+from megatron_dapo.workers.batch import PolicyBatch
 
 log = logging.getLogger(__name__)
 

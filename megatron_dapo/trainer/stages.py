@@ -16,7 +16,8 @@ from megatron_dapo.algos.overlong import overlong_filter_mask
 from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.data.dataset import PromptRecord
 from megatron_dapo.rollout.base import PromptInput, RolloutEngine, SamplingParams, samples_to_batch
-from megatron_dapo.trainer.batch import PolicyBatch, ScoredBatch, token_level
+from megatron_dapo.trainer.batch import ScoredBatch, token_level
+from megatron_dapo.workers.batch import PolicyBatch
 
 
 def generate(engine: RolloutEngine, records: Sequence[PromptRecord], sampling: SamplingParams, *,

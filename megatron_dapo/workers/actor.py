@@ -29,7 +29,7 @@ from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
 from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.config.schema import ActorConfig
 from megatron_dapo.models.forward import main_logits, unwrap_model
-from megatron_dapo.trainer.batch import PolicyBatch
+from megatron_dapo.workers.batch import PolicyBatch
 from megatron_dapo.workers.logprob import logprob_entropy_from_logits
 from megatron_dapo.workers.microbatch import MicroBatch, make_microbatches, scatter_rows, to_response_aligned
 

@@ -24,9 +24,9 @@ def main() -> None:
     assert torch.cuda.is_available(), "needs CUDA"
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.batch import PolicyBatch
+    from megatron_dapo.parallel import init_parallel
+    from megatron_dapo.workers.batch import PolicyBatch
     from megatron_dapo.workers.build import build_actor
-    from megatron_dapo.workers.parallel import init_parallel
 
     V, S, B = 32000, args.seq, args.rows
     # ~1.1B: 16 layers, hidden 2048, 16 heads / 8 KV groups, SwiGLU 5632.

@@ -24,7 +24,7 @@ TINY_FWD_BWD = textwrap.dedent("""
     from megatron_dapo.models.arch import get_arch
     from megatron_dapo.models.builder import build_gpt_model, default_backend
     from megatron_dapo.models.forward import token_logprobs
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     pgs = init_parallel()
     assert pgs.backend == "nccl" and pgs.device.type == "cuda"

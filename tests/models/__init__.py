@@ -1,1 +1,1 @@
-"""Tests of megatron_dapo.models (and workers.parallel, which builds the groups they take)."""
+"""Tests of megatron_dapo.models (and megatron_dapo.parallel, which builds the groups they take)."""

@@ -23,7 +23,7 @@ from megatron_dapo.models.arch import get_arch
 from megatron_dapo.models.builder import build_gpt_model, build_gpt_model_chunks
 from megatron_dapo.models.forward import Microbatch, forward_only_logprobs, token_logprobs
 from megatron_dapo.models.hf import arch_from_hf, load_hf_as_mcore, load_hf_weights_into, save_mcore_as_hf
-from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
+from megatron_dapo.parallel import destroy_parallel, init_parallel
 
 TEMPERATURE = 0.8
 

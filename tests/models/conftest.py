@@ -61,7 +61,7 @@ def make_hf_model(name: str, out_dir, seed: int = 1):
 @pytest.fixture(scope="session")
 def pgs():
     """World-1 parallel groups (gloo, CPU layer installed) shared by the in-process tests."""
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     return init_parallel(backend="gloo")
 

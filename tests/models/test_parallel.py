@@ -1,11 +1,11 @@
-"""workers.parallel: size validation and the world-1 setup."""
+"""megatron_dapo.parallel: size validation and the world-1 setup."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from megatron_dapo.workers.parallel import init_parallel, validate_parallel_sizes
+from megatron_dapo.parallel import init_parallel, validate_parallel_sizes
 
 
 def test_validate_parallel_sizes_returns_dp_and_expert_dp():

@@ -56,7 +56,7 @@ def engine_and_forwards():
     """A LocalEngine on a tiny model with a 32-token context, and a counter of its model forwards."""
     from megatron_dapo.models.arch import get_arch
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     pgs = init_parallel()
     model = build_gpt_model(get_arch("tiny", vocab_size=VOCAB, max_position_embeddings=CONTEXT), pgs=pgs, seed=0)

@@ -51,7 +51,7 @@ def make_actor(pgs, **extra):
 
 @pytest.fixture(scope="module")
 def pgs():
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     return init_parallel()
 
@@ -360,7 +360,7 @@ def test_tp2_ranks_agree_and_equal_tp1(pgs, tmp_path):
 
 
 def _tp2_worker(out_dir: str) -> None:
-    from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.parallel import destroy_parallel, init_parallel
 
     pgs = init_parallel(tp=2)
     actor = make_actor(pgs, **{"trainer.n_gpus_per_node": 2, "parallel.tensor_model_parallel_size": 2})

@@ -29,7 +29,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def pgs():
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     return init_parallel()
 
@@ -44,7 +44,7 @@ def build_engine_model(pgs, seed: int):
 @pytest.fixture(scope="module")
 def updated_actor(pgs):
     """A tiny actor after one DAPO update on a fixed batch (its weights differ from any fresh build)."""
-    from megatron_dapo.trainer.batch import PolicyBatch
+    from megatron_dapo.workers.batch import PolicyBatch
     from megatron_dapo.workers.build import build_actor
 
     actor = build_actor(cfg(), pgs, vocab_size=VOCAB, pad_id=PAD)

@@ -74,12 +74,12 @@ def model_sha256(trainer) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_dapo.trainer.queue_trainer import build_queue_trainer
+    from megatron_dapo.trainer.run import build_trainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out, overrides = argv[0], argv[1:]
     cfg = config(out, overrides)
-    trainer = build_queue_trainer(cfg)
+    trainer = build_trainer(cfg)
     install_external_fault_points(trainer)
     try:
         trainer.fit()

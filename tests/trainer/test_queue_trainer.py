@@ -23,11 +23,10 @@ from megatron_dapo.trainer.producer import (
 from megatron_dapo.trainer.queue_trainer import (
     TRAIN,
     QueueTrainer,
-    build_queue_trainer,
     discard_after,
     rollback_after,
-    run_queue,
 )
+from megatron_dapo.trainer.run import build_trainer, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
@@ -282,10 +281,8 @@ def test_async_recovery_returns_late_consumption_and_regenerates_newer_or_incomp
 
 def test_sync_mode_equals_the_sync_trainer_step_for_step(tmp_path):
     """Same keys (= GRPO groups), seeds and engine batching as DAPOTrainer.fit: equal losses and batches."""
-    from megatron_dapo.trainer.run import run
-
     run(_cfg(tmp_path / "fit", "trainer.total_training_steps=3"))
-    assert run_queue(_cfg(tmp_path / "queue", "trainer.total_training_steps=3", "queue.enable=true")) == 0
+    assert run(_cfg(tmp_path / "queue", "trainer.total_training_steps=3", "queue.enable=true")) == 0
     a, b = _scalars(tmp_path / "fit/q"), _scalars(tmp_path / "queue/q")
     for step in (1, 2, 3):
         assert _dump_groups(tmp_path / "fit/dumps", step) == _dump_groups(tmp_path / "queue/dumps", step)
@@ -305,7 +302,7 @@ def test_sync_mode_equals_the_sync_trainer_step_for_step(tmp_path):
 @pytest.mark.parametrize("bypass", [False, True])
 def test_step_once_reads_and_writes_the_stage_fields_through_the_queue(tmp_path, bypass):
     extra = ["algorithm.rollout_correction.bypass_mode=true"] if bypass else []
-    trainer = build_queue_trainer(_cfg(tmp_path, "queue.enable=true", "trainer.total_training_steps=2", *extra))
+    trainer = build_trainer(_cfg(tmp_path, "queue.enable=true", "trainer.total_training_steps=2", *extra))
     try:
         trainer._resume()
         from megatron_dapo.metrics import StageTimer
@@ -342,7 +339,7 @@ def test_step_once_reads_and_writes_the_stage_fields_through_the_queue(tmp_path,
 
 def test_parameter_sync_step_2_trains_two_updates_on_data_of_one_policy_version(tmp_path):
     cfg = _cfg(tmp_path, "queue.enable=true", "queue.parameter_sync_step=2", "trainer.total_training_steps=4")
-    assert run_queue(cfg) == 0
+    assert run(cfg) == 0
     s = _scalars(tmp_path / "q")
     # The second update of each sync trains on samples one actor update old; weights reach the engine
     # only every second update.
@@ -358,7 +355,7 @@ def test_parameter_sync_step_2_trains_two_updates_on_data_of_one_policy_version(
 
 @pytest.mark.parametrize("policy", ["drop", "correct"])
 def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_under_correct(tmp_path, policy):
-    trainer = build_queue_trainer(_cfg(tmp_path, "queue.enable=true", "queue.max_staleness=1",
+    trainer = build_trainer(_cfg(tmp_path, "queue.enable=true", "queue.max_staleness=1",
                                        f"queue.stale_policy={policy}"))
     try:
         q = trainer.queue
@@ -392,7 +389,7 @@ def test_config_errors_name_the_keys(tmp_path):
 def test_async_mode_trains_on_groups_from_a_producer_process(tmp_path, policy, partial):
     cfg = _cfg(tmp_path, "queue.enable=true", "queue.max_staleness=1", "trainer.total_training_steps=4",
                f"queue.stale_policy={policy}", f"queue.partial_rollout={str(partial).lower()}")
-    assert run_queue(cfg) == 0
+    assert run(cfg) == 0
     s = _scalars(tmp_path / "q")
     assert s["train/num_train_prompts"] == {1: 4.0, 2: 4.0, 3: 4.0, 4: 4.0}
     assert ("rollout_corr/is_weight_mean" in s) == (policy == "correct")

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_dapo.trainer.batch import PolicyBatch
+from megatron_dapo.workers.batch import PolicyBatch
 
 VOCAB, PAD = 16, 0
 

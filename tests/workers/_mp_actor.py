@@ -5,8 +5,8 @@ import sys
 import torch
 
 from megatron_dapo.config import load_config
+from megatron_dapo.parallel import destroy_parallel, init_parallel
 from megatron_dapo.workers.build import build_actor
-from megatron_dapo.workers.parallel import destroy_parallel, init_parallel
 from tests.workers._actor_cases import (
     PAD,
     VOCAB,

@@ -31,7 +31,7 @@ def assert_same_grads(a, b):
 
 @pytest.fixture(scope="module")
 def pgs():
-    from megatron_dapo.workers.parallel import init_parallel
+    from megatron_dapo.parallel import init_parallel
 
     return init_parallel()
 
