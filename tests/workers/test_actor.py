@@ -145,13 +145,19 @@ def test_entropy_coeff_and_kl_loss_change_the_update(pgs):
 
 @pytest.mark.multiproc
 def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
-    """One DAPO update on 2 gloo ranks (DP=2) gives the DP=1 weights; TP=2 log-probs equal TP=1."""
+    """One DAPO update on 2 gloo ranks (DP=2) gives the DP=1 weights; TP=2 log-probs equal TP=1; the
+    trainer's own PP=2 build starts and its log-probs, loss and grad norm equal PP=1's."""
+    from megatron_dapo.models.forward import unwrap_model
+    from megatron_dapo.models.weights import gather_canonical_state
+
     raw = random_batch(seed=3)
     a = make_actor(pgs)
+    init = {name: t.clone() for name, t, _ in gather_canonical_state(unwrap_model(a.policy.chunks[0]), pgs=pgs)}
+    torch.save(init, tmp_path / "init.pt")
     ref_lp = a.compute_log_prob(raw["prompt_ids"], raw["prompt_length"], raw["responses"],
                                 raw["response_length"]).log_probs
     grads = capture_grads(a)
-    a.update_policy(policy_batch(a, raw, perturb_old=0.05))
+    ref_m = a.update_policy(policy_batch(a, raw, perturb_old=0.05))
     torch.save({"params": flat_params(a), "log_probs": ref_lp, "grads": grads}, tmp_path / "dp1.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -166,6 +172,10 @@ def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
     torch.testing.assert_close(dp2["params"], ref["params"], atol=1e-4, rtol=0)
     m = raw["response_mask"]
     torch.testing.assert_close(tp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
+    pp2 = torch.load(tmp_path / "pp2.pt", weights_only=True)
+    torch.testing.assert_close(pp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
+    assert float(pp2["pg_loss"]) == pytest.approx(ref_m["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert float(pp2["grad_norm"]) == pytest.approx(ref_m["actor/grad_norm"], rel=1e-5)
 
 
 def test_moe_routed_counts_cover_every_response_token_topk_times(pgs):
