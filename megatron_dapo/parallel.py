@@ -29,6 +29,9 @@ __all__ = ["ParallelGroups", "init_parallel", "validate_parallel_sizes", "destro
            "current_parallel_groups", "seed_parallel_rng"]
 
 _CURRENT: ParallelGroups | None = None
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+"""Timeout of `ParallelGroups.ctrl`: no generation batch takes a week, and when a rank dies torchrun's
+agent stops the others, so a wait on this group never outlives a crash."""
 _OWNS_WORLD = False          # True when init_parallel created the default process group
 
 
@@ -51,6 +54,10 @@ class ParallelGroups:
     """Model parallel (tp x pp): one full model replica."""
     embd: dist.ProcessGroup | None
     """First and last PP stage (tied-embedding gradient sync); None when PP == 1."""
+    ctrl: dist.ProcessGroup
+    """The whole world on gloo with CONTROL_TIMEOUT: host-side traffic that may wait a long time (rank 0's
+    rollout results and errors, reward gathers, weight-sync turn taking). A gloo group, so NCCL's
+    watchdog never fires while rank 0 waits on the servers."""
     collection: object
     """megatron.core.process_groups_config.ProcessGroupCollection with all of the above."""
     rank: int
@@ -199,10 +206,11 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp: int |
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes)
     collection = ProcessGroupCollection.use_mpu_process_groups()
+    ctrl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     pgs = ParallelGroups(
         tp=collection.tp, pp=collection.pp, ep=collection.ep, cp=collection.cp, dp=collection.dp,
         dp_cp=collection.dp_cp, expt_tp=collection.expt_tp, expt_dp=collection.expt_dp,
-        mp=collection.mp, embd=collection.embd if pp > 1 else None, collection=collection,
+        mp=collection.mp, embd=collection.embd if pp > 1 else None, ctrl=ctrl, collection=collection,
         rank=rank, world_size=world, local_rank=local_rank,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
@@ -245,6 +253,8 @@ def destroy_parallel(*, destroy_world: bool = False) -> None:
     global _CURRENT, _OWNS_WORLD
     from megatron.core import parallel_state as ps
     ps.destroy_model_parallel()
+    if _CURRENT is not None and dist.is_initialized():
+        dist.destroy_process_group(_CURRENT.ctrl)
     _CURRENT = None
     if destroy_world and _OWNS_WORLD and dist.is_initialized():
         dist.destroy_process_group()

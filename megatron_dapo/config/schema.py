@@ -297,8 +297,14 @@ class RolloutConfig:
     """SGLang --mem-fraction-static. [recipe: actor_rollout_ref.rollout.gpu_memory_utilization]"""
     mode: Literal["colocate", "disaggregate"] = "colocate"
     """colocate: engines share GPUs with training (weights from tensors, memory released while training); disaggregate: separate GPUs, weights over a process group."""
-    weight_sync_bucket_mb: int = 512
-    """Bucket size of actor -> engine weight updates."""
+    weight_sync_bucket_mb: float = 512
+    """Bucket size of actor -> engine weight updates, MiB (whole parameters; a larger one travels alone)."""
+    weight_transport: Literal["auto", "distributed", "ipc"] = "auto"
+    """How SGLang servers get the weights: distributed = one weight-update process group per pipeline stage (NCCL; gloo on CPU), for servers on other GPUs or nodes; ipc = each node's first trainer rank posts CUDA IPC handles to the servers on its node (colocated: NCCL refuses two ranks on one GPU); auto = ipc for mode=colocate on CUDA, else distributed."""
+    weight_sync_timeout_s: float = 600.0
+    """Longest wait for the servers in one weight-sync step (joining a group, loading a bucket)."""
+    weight_sync_host: str = ""
+    """Address the servers reach the trainer's weight senders at (their TCP stores); empty = loopback when every server is on loopback, else the interface that routes to the first server."""
     max_concurrency: int = 256
     """Concurrent HTTP requests per SGLang engine."""
     request_timeout_s: float = 1800.0
@@ -322,7 +328,8 @@ class RolloutConfig:
         _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 or >= 1", self.top_k)
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
                self.gpu_memory_utilization)
-        _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", ">= 1", self.weight_sync_bucket_mb)
+        _check(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "> 0", self.weight_sync_bucket_mb)
+        _check(self.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", "> 0", self.weight_sync_timeout_s)
         _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
 

@@ -33,12 +33,13 @@ from megatron_dapo.models.weights import (
     SafetensorsDir,
     ShardedSafetensorsWriter,
     gather_canonical_state,
+    gather_stage_state,
     load_canonical_state,
 )
 
 __all__ = ["arch_from_hf", "arch_from_hf_config", "hf_config_from_arch", "read_hf_config",
            "canonical_param_names", "hf_sources", "to_mcore", "to_hf", "load_hf_as_mcore",
-           "load_hf_weights_into",
+           "load_hf_weights_into", "iter_hf_tensors", "iter_stage_hf_groups",
            "save_mcore_as_hf", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
@@ -336,6 +337,19 @@ def iter_hf_tensors(model, *, pgs, arch: ModelArch, drop_mtp: bool = True):
             continue
         kind, hf_names = hf_sources(name)
         yield from zip(hf_names, to_hf(kind, full, arch), strict=True)
+
+
+def iter_stage_hf_groups(model, *, pgs, arch: ModelArch, drop_mtp: bool = True, traffic: dict | None = None):
+    """(canonical name, [(HF name, full tensor), ...] or None, bytes) for every tensor of this pipeline
+    stage (all EP ranks' experts included), the same sequence on every rank of the stage; the tensors
+    only on the stage's sender (models.weights.gather_stage_state). A collective over the stage."""
+    tied = not arch.untie_embeddings_and_output_weights
+    for name, full, nbytes in gather_stage_state(model, pgs=pgs, traffic=traffic):
+        if (drop_mtp and name.startswith("mtp.")) or (tied and name == "output_layer.weight"):
+            continue
+        kind, hf_names = hf_sources(name)
+        pieces = None if full is None else list(zip(hf_names, to_hf(kind, full, arch), strict=True))
+        yield name, pieces, nbytes
 
 
 def save_mcore_as_hf(model, out_dir: str, *, pgs, arch: ModelArch, hf_config: dict | None = None,

@@ -9,9 +9,11 @@ tensors. Any parallel layout loads from it and gathers back to it:
 - `load_canonical_state(model, get_tensor, pgs=...)`: fill this rank's parameters, slicing
   each full tensor for its TP (or expert-TP) rank; SwiGLU `linear_fc1` = [gate; up] is sliced
   per half, so rank r holds [gate_r; up_r] as Megatron expects.
-- `gather_canonical_state(model, pgs=...)`: yield (name, full tensor, is_writer) for every
-  parameter of this rank, TP-gathered; exactly one rank in the world is the writer of each
-  name (pipeline stages and expert-parallel ranks write their own parts).
+- `gather_canonical_state(model, pgs=...)`: yield (name, full tensor or None, is_writer) for every
+  parameter of this rank, TP-gathered to the writer only; exactly one rank in the world is the
+  writer of each name (pipeline stages and expert-parallel ranks write their own parts).
+- `gather_stage_state(model, pgs=...)`: every tensor of a pipeline stage, experts of all EP ranks
+  included, on the stage's first rank only (the weight sync's sender; see rollout/sglang_sync.py).
 
 Transformer-Engine parameter names (norms fused into linear_qkv / linear_fc1, grouped
 experts `weight{j}`) are translated to the local names here, so checkpoints do not depend on
@@ -42,7 +44,8 @@ from safetensors.torch import save_file
 
 from megatron_dapo.models.arch import ModelArch
 
-__all__ = ["canonical_name", "partition_dims", "load_canonical_state", "gather_canonical_state", "SafetensorsDir",
+__all__ = ["canonical_name", "partition_dims", "load_canonical_state", "gather_canonical_state",
+           "gather_stage_state", "is_stage_sender", "SafetensorsDir",
            "ShardedSafetensorsWriter", "save_mcore_checkpoint", "read_mcore_metadata",
            "load_mcore_weights", "MCORE_FORMAT"]
 
@@ -175,28 +178,99 @@ def load_canonical_state(model, get_tensor: Callable[[str], torch.Tensor], *, pg
     return loaded
 
 
-def gather_canonical_state(model, *, pgs) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """Yield (canonical name, full tensor on CPU, is_writer) for each parameter of this rank.
+def _gather_to_first(full: torch.Tensor, group, rank: int, size: int,
+                     traffic: dict | None = None) -> list[torch.Tensor] | None:
+    """dist.gather of `full` to the group's rank 0: the shards there, None elsewhere (no copy kept).
+    traffic: {"sent": bytes, "received": bytes} counters of this rank, updated."""
+    shards = [torch.empty_like(full) for _ in range(size)] if rank == 0 else None
+    dist.gather(full.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+    if traffic is not None:
+        n = full.numel() * full.element_size()
+        key, amount = ("received", n * (size - 1)) if rank == 0 else ("sent", n)
+        traffic[key] = traffic.get(key, 0) + amount
+    return shards
 
-    A collective: every rank of the world must iterate it to the end. Dense parameters are
-    written by tp/cp/dp rank 0 of each pipeline stage; expert parameters by expert-TP /
-    expert-DP rank 0 of each expert-parallel rank.
+
+def _tp_full(model, local_name: str, name: str, param: torch.Tensor, dims: dict, pgs,
+             traffic: dict | None = None) -> torch.Tensor | None:
+    """The full tensor on TP (or expert-TP) rank 0, None on the other ranks of that group."""
+    full = param.detach()
+    if local_name not in dims:
+        return full
+    group, rank, size = _tp_coords(name, pgs)
+    if size == 1:
+        return full
+    shards = _gather_to_first(full, group, rank, size, traffic)
+    return None if shards is None else _unshard(shards, dim=dims[local_name], glu=_is_glu(model, name))
+
+
+def _writes(pgs, expert: bool) -> tuple[bool, bool]:
+    """(this rank writes the name, this rank's TP group holds the writer) for a dense / expert name."""
+    if expert:
+        return (pgs.etp_rank == 0 and pgs.expt_dp_rank == 0 and pgs.cp_rank == 0,
+                pgs.cp_rank == 0 and pgs.expt_dp_rank == 0)
+    return pgs.tp_rank == 0 and pgs.cp_rank == 0 and pgs.dp_rank == 0, pgs.cp_rank == 0 and pgs.dp_rank == 0
+
+
+def gather_canonical_state(model, *, pgs, traffic: dict | None = None
+                           ) -> Iterator[tuple[str, torch.Tensor | None, bool]]:
+    """Yield (canonical name, full tensor or None, is_writer) for each parameter of this rank.
+
+    A collective: every rank of the world must iterate it to the end. Exactly one rank writes each
+    name: dense parameters tp/cp/dp rank 0 of each pipeline stage, expert parameters expert-TP /
+    expert-DP rank 0 of each expert-parallel rank. TP shards are gathered to the writer only
+    (dist.gather, not all_gather) and the tensor stays where the parameter lives (no host copy);
+    every other rank gets None. Replicas that write nothing (dp > 0, cp > 0) skip the gather.
     """
     model = _unwrap(model)
-    dense_writer = pgs.tp_rank == 0 and pgs.cp_rank == 0 and pgs.dp_rank == 0
-    expert_writer = pgs.etp_rank == 0 and pgs.expt_dp_rank == 0 and pgs.cp_rank == 0
     dims = partition_dims(model)
     with torch.no_grad():
         for local_name, param in model.named_parameters():
             name = canonical_name(model, local_name, ep_rank=pgs.ep_rank)
-            full = param.detach()
-            if local_name in dims:
-                group, _, size = _tp_coords(name, pgs)
-                if size > 1:
-                    shards = [torch.empty_like(full) for _ in range(size)]
-                    dist.all_gather(shards, full.contiguous(), group=group)
-                    full = _unshard(shards, dim=dims[local_name], glu=_is_glu(model, name))
-            yield name, full.cpu(), expert_writer if _is_expert(name) else dense_writer
+            writer, group_writes = _writes(pgs, _is_expert(name))
+            full = _tp_full(model, local_name, name, param, dims, pgs, traffic) if group_writes else None
+            yield name, full if writer else None, writer
+
+
+def is_stage_sender(pgs) -> bool:
+    """The rank that holds every tensor of its pipeline stage during `gather_stage_state`: the first
+    rank of the stage (tp = cp = dp = 0, hence also expert-TP = EP = expert-DP = 0)."""
+    return pgs.tp_rank == 0 and pgs.cp_rank == 0 and pgs.dp_rank == 0
+
+
+def gather_stage_state(model, *, pgs, traffic: dict | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+    """(canonical name, full tensor or None, full size in bytes) of every tensor of this rank's pipeline
+    stage, in the same order and with the same sizes on every rank of the stage; the tensor exists on
+    the stage's sender only (`is_stage_sender`), None elsewhere.
+
+    A collective over the stage. Dense tensors are gathered over TP to the sender; expert tensors over
+    expert-TP, then over EP, so the sender also gets the experts of every EP rank (global expert
+    indices). Only the sender ever holds a full tensor, one parameter at a time; nothing is copied to
+    host. Every rank knows every size without a tensor (shard size x TP), so all ranks of a stage can
+    cut the same buckets without talking to each other (rollout/sglang_sync.py relies on it).
+    """
+    inner = _unwrap(model)
+    sender = is_stage_sender(pgs)
+    dims = partition_dims(inner)
+    n_local = _num_local_experts(inner)
+    with torch.no_grad():
+        for local_name, param in inner.named_parameters():
+            name = canonical_name(inner, local_name, ep_rank=pgs.ep_rank)
+            expert = _is_expert(name)
+            writer, group_writes = _writes(pgs, expert)
+            tp_size = _tp_coords(name, pgs)[2] if local_name in dims else 1
+            nbytes = param.numel() * tp_size * param.element_size()
+            full = _tp_full(inner, local_name, name, param, dims, pgs, traffic) if group_writes else None
+            if not expert or pgs.ep_size == 1:
+                yield name, full if sender else None, nbytes
+                continue
+            per_ep = _gather_to_first(full, pgs.ep, pgs.ep_rank, pgs.ep_size, traffic) if writer else None
+            local = _LOCAL_EXPERT.search(name)
+            local_index = int(local.group(2)) - pgs.ep_rank * n_local
+            for k in range(pgs.ep_size):
+                global_name = name[: local.start(2)] + str(local_index + k * n_local) + name[local.end(2):]
+                yield global_name, per_ep[k] if (sender and per_ep is not None) else None, nbytes
 
 
 class SafetensorsDir:

@@ -205,6 +205,13 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
         """Sample `sampling.n` responses per prompt; ordering as in the module docstring."""
 
+    def generate_batch(
+        self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int, max_response_length: int
+    ) -> RolloutBatch:
+        """`generate`, as the tensor record the trainer consumes (engines driven from one rank ship it
+        to the others as tensors instead of Python samples)."""
+        return samples_to_batch(self.generate(prompts, sampling), pad_id=pad_id, max_response_length=max_response_length)
+
     @abc.abstractmethod
     def update_weights(
         self,

@@ -1,13 +1,27 @@
 """Drive one external engine (SGLang servers) from a data-parallel SPMD trainer.
 
-Every trainer rank calls `generate`; only global rank 0 talks to the servers and the samples are
-broadcast to the other ranks, so the servers see each request once. Weight updates are a collective
-on the trainer side (the HF tensors are gathered over TP/PP/EP); the gathered tensors exist on their
-writer ranks, and rank 0 pushes what it holds.
+Every trainer rank calls `generate_batch`; only global rank 0 talks to the servers, and the result
+reaches the other ranks as tensors over `pgs.ctrl`, a gloo group with a week-long timeout (no NCCL
+watchdog fires while rank 0 waits minutes or hours on the servers). An error on rank 0 (a request that
+failed after its retries, a bad reply) is broadcast too: every rank raises the same `DriverError`,
+none is left waiting.
+
+Wire format of one generation batch (B rows, N response tokens in all), broadcast from rank 0:
+    header          [5] int64   status (0 ok, 1 error), B, N, meta bytes, error bytes
+    response_length [B] int64
+    tokens          [N] int64   the responses, concatenated (ragged: no padding on the wire)
+    log_probs       [N] float32
+    policy_version  [B] int64
+    finish          [B] int64   index into rollout.base.FINISH_REASONS
+    meta            [.] uint8   JSON of the per-row engine meta (empty dicts for most engines)
+    error           [.] uint8   "<type>: <message>" when status is 1
+Prompts are not sent: every rank holds the same prompts (the sampler is deterministic), so each rank
+rebuilds prompt ids, prompt lengths, sample indices and group ids itself.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,57 +29,206 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.rollout.base import (
+    FINISH_REASONS,
     PromptInput,
+    RolloutBatch,
     RolloutEngine,
+    RolloutEngineError,
     Sample,
     SamplingParams,
     check_generate_inputs,
 )
 
 
+class DriverError(RolloutEngineError):
+    """The engine call on the driving rank (global rank 0) failed; every rank raises it with rank 0's message."""
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+
+
+def _text(t: torch.Tensor) -> str:
+    return bytes(t.tolist()).decode() if t.numel() else ""
+
+
+def encode_batch(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The ragged wire tensors of a batch (rank 0's side)."""
+    lengths = batch.response_length.to(torch.int64)
+    keep = batch.response_mask.bool()
+    return {"response_length": lengths, "tokens": batch.responses[keep].to(torch.int64).contiguous(),
+            "log_probs": batch.rollout_log_probs[keep].to(torch.float32).contiguous(),
+            "policy_version": batch.policy_version.to(torch.int64),
+            "finish": torch.tensor([FINISH_REASONS.index(f) for f in batch.finish_reason], dtype=torch.int64),
+            "meta": _bytes_tensor(json.dumps(batch.meta) if any(batch.meta) else "")}
+
+
+def decode_batch(wire: dict[str, torch.Tensor], prompts: Sequence[PromptInput], n: int, *, pad_id: int,
+                 max_response_length: int) -> RolloutBatch:
+    """Rebuild the RolloutBatch from the wire tensors and this rank's own copy of the prompts."""
+    lengths = wire["response_length"]
+    B, T = lengths.numel(), max_response_length
+    if B != len(prompts) * n:
+        raise DriverError(f"rank 0 sent {B} rows for {len(prompts)} prompts x n={n}")
+    rows = [prompts[b // n] for b in range(B)]
+    P = max(len(p.token_ids) for p in prompts)
+    prompt_ids = torch.full((B, P), pad_id, dtype=torch.int64)
+    for b, p in enumerate(rows):
+        prompt_ids[b, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.int64)
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    responses = torch.full((B, T), pad_id, dtype=torch.int64)
+    responses[mask] = wire["tokens"]
+    log_probs = torch.zeros(B, T, dtype=torch.float32)
+    log_probs[mask] = wire["log_probs"]
+    finish = [FINISH_REASONS[int(i)] for i in wire["finish"]]
+    meta_text = _text(wire["meta"])
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_length=torch.tensor([len(p.token_ids) for p in rows], dtype=torch.int64),
+        responses=responses, response_mask=mask.to(torch.float32), rollout_log_probs=log_probs,
+        response_length=lengths.clone(), sample_index=torch.arange(B, dtype=torch.int64) % n,
+        policy_version=wire["policy_version"].clone(), aborted=torch.tensor([f == "abort" for f in finish]),
+        finish_reason=finish, index=[p.prompt_id for p in rows],
+        meta=json.loads(meta_text) if meta_text else [{} for _ in range(B)])
+
+
+_ORDER = ("response_length", "tokens", "log_probs", "policy_version", "finish", "meta")
+
+
+def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, rank: int, prompts, n: int,
+                    pad_id: int, max_response_length: int) -> RolloutBatch:
+    """Rank 0 passes its batch (or the error text), every other rank None; all return the same batch or
+    raise the same DriverError."""
+    src = dist.get_global_rank(group, 0)
+    if rank == src:
+        wire = encode_batch(batch) if error is None else {}
+        err = _bytes_tensor(error or "")
+        header = torch.tensor([int(error is not None), len(batch) if error is None else 0,
+                               int(wire["tokens"].numel()) if error is None else 0,
+                               int(wire["meta"].numel()) if error is None else 0, err.numel()], dtype=torch.int64)
+    else:
+        header = torch.zeros(5, dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    status, B, N, meta_n, err_n = (int(x) for x in header)
+    if status:
+        if rank != src:
+            err = torch.zeros(err_n, dtype=torch.uint8)
+        if err_n:
+            dist.broadcast(err, src=src, group=group)
+        raise DriverError(f"rollout on rank 0 failed: {_text(err)}")
+    if rank != src:
+        shapes = {"response_length": (B, torch.int64), "tokens": (N, torch.int64), "log_probs": (N, torch.float32),
+                  "policy_version": (B, torch.int64), "finish": (B, torch.int64), "meta": (meta_n, torch.uint8)}
+        wire = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
+    for key in _ORDER:
+        if wire[key].numel():
+            dist.broadcast(wire[key], src=src, group=group)
+    return batch if rank == src else decode_batch(wire, prompts, n, pad_id=pad_id,
+                                                  max_response_length=max_response_length)
+
+
 class RankZeroEngine(RolloutEngine):
-    def __init__(self, engine: RolloutEngine | None, *, rank: int, world_size: int, servers: Sequence = ()):
-        """servers: processes this job launched (stopped by close())."""
+    def __init__(self, engine: RolloutEngine | None, *, rank: int, world_size: int, group=None,
+                 servers: Sequence = ()):
+        """engine: the engine rank 0 drives (None elsewhere). group: the gloo control group the results
+        travel on (`pgs.ctrl`; None only for a world of one). servers: processes this job launched
+        (stopped by close())."""
         if rank == 0 and engine is None:
             raise ValueError("rank 0 needs the engine it drives")
-        self.engine, self.rank, self.world_size, self.servers = engine, rank, world_size, list(servers)
+        if world_size > 1 and group is None:
+            raise ValueError("RankZeroEngine needs the control group (pgs.ctrl) when world_size > 1")
+        self.engine, self.rank, self.world_size, self.group = engine, rank, world_size, group
+        self.servers = list(servers)
         self._version = engine.policy_version if engine is not None else 0
+        self._released: set[str] = set()
 
     def _bcast(self, obj):
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+    def _on_rank0(self, fn):
+        """fn() on rank 0; its result (small, picklable) or its error reaches every rank."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+                if self.world_size == 1:
+                    raise
+        result, error = self._bcast((result, error))
+        if error is not None:
+            raise DriverError(f"rollout on rank 0 failed: {error}")
+        return result
+
+    def generate_batch(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
+                       max_response_length: int) -> RolloutBatch:
         check_generate_inputs(prompts, sampling)
-        samples = self.engine.generate(prompts, sampling) if self.rank == 0 else None
-        return self._bcast(samples)
+        batch, error = None, None
+        if self.rank == 0:
+            try:
+                batch = self.engine.generate_batch(prompts, sampling, pad_id=pad_id,
+                                                   max_response_length=max_response_length)
+            except Exception as e:  # noqa: BLE001 - every rank raises the same DriverError
+                if self.world_size == 1:
+                    raise
+                error = f"{type(e).__name__}: {e}"
+                try:
+                    broadcast_batch(None, error, group=self.group, rank=0, prompts=prompts, n=sampling.n,
+                                    pad_id=pad_id, max_response_length=max_response_length)
+                except DriverError as d:
+                    raise d from e
+        if self.world_size == 1:
+            return batch
+        return broadcast_batch(batch, None, group=self.group, rank=self.rank, prompts=prompts, n=sampling.n,
+                               pad_id=pad_id, max_response_length=max_response_length)
+
+    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        """Python samples on every rank (small calls only: the trainer uses generate_batch)."""
+        check_generate_inputs(prompts, sampling)
+        return self._on_rank0(lambda: self.engine.generate(prompts, sampling))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                        policy_version: int, **kwargs: Any) -> None:
-        if self.rank == 0:
-            self.engine.update_weights(named_tensors, policy_version=policy_version, **kwargs)
-        elif named_tensors is not None:
-            for _ in named_tensors:  # the gather is a collective: every rank walks it
+        """Rank 0 forwards to its engine (named_tensors must then hold rank 0's tensors only: use the
+        trainer's weight sync for a model spread over ranks); every rank records the version."""
+        if self.rank != 0 and named_tensors is not None:
+            for _ in named_tensors:  # a generator that gathers is a collective: every rank walks it
                 pass
+        self._on_rank0(lambda: self.engine.update_weights(named_tensors, policy_version=policy_version, **kwargs))
         self._version = policy_version
 
     def abort(self) -> None:
         if self.rank == 0:
             self.engine.abort()
 
-    def release_memory(self) -> None:
-        if self.rank == 0:
-            self.engine.release_memory()
+    MEMORY_TAGS = ("weights", "kv_cache")
 
-    def resume_memory(self) -> None:
-        if self.rank == 0:
-            self.engine.resume_memory()
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the servers' weights and / or KV cache (colocated training); every rank records it."""
+        tags = tuple(tags or self.MEMORY_TAGS)
+        todo = [t for t in tags if t not in self._released]
+        if todo:
+            self._on_rank0(lambda: self.engine.release_memory(todo))
+            self._released.update(todo)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Re-take what release_memory freed (tags not released are skipped: resuming twice is an error
+        on SGLang)."""
+        tags = tuple(tags or self.MEMORY_TAGS)
+        todo = [t for t in tags if t in self._released]
+        if todo:
+            self._on_rank0(lambda: self.engine.resume_memory(todo))
+            self._released.difference_update(todo)
+
+    @property
+    def released(self) -> frozenset[str]:
+        return frozenset(self._released)
 
     def health(self) -> dict[str, Any]:
-        return self._bcast(self.engine.health() if self.rank == 0 else None)
+        return self._on_rank0(lambda: self.engine.health())
 
     @property
     def policy_version(self) -> int:
@@ -76,3 +239,6 @@ class RankZeroEngine(RolloutEngine):
             self.engine.close()
         for server in self.servers:
             server.stop()
+
+
+__all__ = ["DriverError", "RankZeroEngine", "broadcast_batch", "decode_batch", "encode_batch"]

@@ -105,6 +105,9 @@ class DAPOTrainer:
         self.last_val: dict[str, float] = {}
         self.first_val: tuple[int, dict[str, float]] | None = None  # (step, metrics) of this process's first validation
         self.old_from_update = old_log_prob_from_update(cfg, self.rc, parts.actor)
+        # The planner's peak = max(training, rollout) holds only if colocated servers release their memory
+        # between generation and the update; the weight sync (trainer/run.py) takes it back.
+        self.colocated_servers = cfg.rollout.engine == "sglang" and cfg.rollout.mode == "colocate"
 
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -116,6 +119,8 @@ class DAPOTrainer:
             step = self.global_step + 1
             timer, t0 = StageTimer(), time.perf_counter()
             batch, metrics = self._collect(step, timer)  # gen + reward + dynamic sampling
+            if self.colocated_servers:  # SGLang on the trainer's GPUs: free its weights and KV cache
+                self.p.engine.release_memory()
             if batch is not None:
                 metrics.update(self._train_on(batch, step, timer))
             self.sync_weights(step)
@@ -144,11 +149,12 @@ class DAPOTrainer:
             records = [p.train_data[i] for i in p.sampler.next_batch()]
             with timer("gen"):
                 rollout = stages.generate(p.engine, records, sampling(k), group_suffix=f"{step}.{k}",
-                                          pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length)
+                                          pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length,
+                                          expect_policy_version=self.global_step)
             faults.maybe_crash("generation", step)
             with timer("reward"):
                 scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
-                                      reward_manager=p.reward_manager)
+                                      reward_manager=p.reward_manager, group=p.pgs.ctrl)
             faults.maybe_crash("after_reward", step)
             self.buffer.add(scored)
             if self.buffer.ready() or not self.buffer.check_budget():
@@ -253,7 +259,8 @@ class DAPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         self.last_val = validate(self.p.engine, self.p.val_data, self.cfg, tokenizer=self.p.tokenizer,
-                                 reward_manager=self.p.reward_manager, seed=self.cfg.trainer.seed + self.global_step)
+                                 reward_manager=self.p.reward_manager, seed=self.cfg.trainer.seed + self.global_step,
+                                 group=self.p.pgs.ctrl, expect_policy_version=self.global_step)
         if self.first_val is None:
             self.first_val = (self.global_step, self.last_val)
         return self.last_val

@@ -56,7 +56,7 @@ def _sglang_engine(cfg: Config, pgs):
         urls = list(r.sglang_urls) or [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
         engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                               max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size)
-    return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, servers=servers)
+    return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, group=pgs.ctrl, servers=servers)
 
 
 def _launch_sglang(cfg: Config) -> list:
@@ -94,23 +94,106 @@ def _launch_sglang(cfg: Config) -> list:
     return launch_servers(specs, log_dir=log_dir, timeout_s=1800)
 
 
+def weight_transport(cfg: Config, pgs) -> str:
+    """rollout.weight_transport with "auto" resolved: CUDA IPC for servers colocated on the trainer's
+    GPUs (NCCL refuses two ranks on one GPU), weight-update process groups otherwise."""
+    t = cfg.rollout.weight_transport
+    if t == "auto":
+        return "ipc" if cfg.rollout.mode == "colocate" and pgs.device.type == "cuda" else "distributed"
+    return t
+
+
+def _server_set(engine, pgs):
+    """The servers rank 0 drives, known on every rank (URLs, TP sizes, the node each runs on)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from megatron_dapo.rollout.sglang_sync import ServerSet
+
+    info = [None]
+    if pgs.rank == 0:
+        inner = engine.engine
+        info = [(tuple(inner.urls), (inner.tp_size,) * len(inner.urls))]
+    if pgs.world_size > 1:
+        torch.distributed.broadcast_object_list(info, src=0, group=pgs.ctrl)
+    urls, tp_sizes = info[0]
+    # A server runs on the node whose first rank owns its host address (loopback: node 0).
+    node = int(os.environ.get("GROUP_RANK", 0))
+    mine = set()
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        host = socket.gethostname()
+        mine = {host, socket.getfqdn()} | {a[4][0] for a in socket.getaddrinfo(host, None)}
+        if node == 0:
+            mine |= {"127.0.0.1", "localhost", "::1"}
+    addrs = [None] * pgs.world_size
+    if pgs.world_size > 1:
+        torch.distributed.all_gather_object(addrs, (node, sorted(mine)), group=pgs.ctrl)
+    else:
+        addrs = [(node, sorted(mine))]
+    nodes = []
+    for url in urls:
+        host = urlparse(url).hostname
+        owners = sorted({n for n, a in addrs if host in a})
+        nodes.append(owners[0] if owners else -1)
+    return ServerSet(urls=urls, tp_sizes=tp_sizes, nodes=tuple(nodes))
+
+
 def weight_sync(cfg: Config, parts):
     """The per-step actor -> engine sync: the local engine shares the actor's weights (only the version
-    changes); SGLang servers receive the HF-named weights in buckets of rollout.weight_sync_bucket_mb."""
+    changes); SGLang servers get every tensor of every pipeline stage from the stages' senders
+    (rollout/sglang_sync.py), in buckets of rollout.weight_sync_bucket_mb."""
     if cfg.rollout.engine == "local":
         return lambda version: parts.engine.update_weights(None, policy_version=version)
     from megatron_dapo.models.forward import unwrap_model
-    from megatron_dapo.models.hf import iter_hf_tensors
+    from megatron_dapo.rollout.sglang_sync import MIB, SGLangWeightSync, WeightSyncError
     from megatron_dapo.workers.model_arch import model_arch
 
-    arch = model_arch(cfg, vocab_size=parts.tokenizer.vocab_size)
+    r, pgs, engine = cfg.rollout, parts.pgs, parts.engine
+    transport = weight_transport(cfg, pgs)
+    servers = _server_set(engine, pgs)
+    if transport == "ipc" and -1 in servers.nodes:
+        raise WeightSyncError(f"rollout.weight_transport=ipc: servers {servers.urls} are not all on a trainer node "
+                              f"(nodes {servers.nodes}); use rollout.weight_transport=distributed")
+    session = None
+    if pgs.rank == 0 and hasattr(engine.engine, "weight_update_session"):
+        session = _session_hook(engine.engine)
+    sync = SGLangWeightSync(servers, pgs=pgs, chunks=[unwrap_model(c) for c in parts.actor.policy.chunks],
+                            arch=model_arch(cfg, vocab_size=parts.tokenizer.vocab_size), transport=transport,
+                            bucket_bytes=max(1, int(r.weight_sync_bucket_mb * MIB)), timeout_s=r.weight_sync_timeout_s,
+                            host=r.weight_sync_host or None, session=session)
+    sync.setup()
 
-    def sync(version: int) -> None:
-        model = unwrap_model(parts.actor.policy.chunks[0])
-        parts.engine.update_weights(iter_hf_tensors(model, pgs=parts.pgs, arch=arch), policy_version=version,
-                                    bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    colocated = r.mode == "colocate"
 
-    return sync
+    def push(version: int) -> None:
+        # Colocated servers free their memory while the actor trains (fit); verl's order around the sync:
+        # weights back first, the sync, then the KV cache (the cache is not needed to load weights).
+        if colocated:
+            engine.resume_memory(["weights"])
+        stats = sync.sync(version)
+        if colocated:
+            engine.resume_memory(["kv_cache"])
+        engine.update_weights(None, policy_version=version)  # every rank records the version the servers hold
+        log.info("weight sync v%d: %d tensors, %d buckets, %.1f MiB sent, %.1f MiB gathered in %.2f s",
+                 version, stats.tensors, stats.buckets, stats.bytes_sent / MIB, stats.bytes_gathered / MIB,
+                 stats.seconds)
+
+    push.sync = sync  # for tests and the trainer's metrics
+    return push
+
+
+def _session_hook(engine):
+    """engine.weight_update_session() (SGLang releases with /begin_weight_update) as begin/end calls."""
+    state = {}
+
+    def hook(event: str) -> None:
+        if event == "begin":
+            state["ctx"] = engine.weight_update_session()
+            state["ctx"].__enter__()
+        else:
+            state.pop("ctx").__exit__(None, None, None)
+
+    return hook
 
 
 def build_parts(cfg: Config):
@@ -179,7 +262,7 @@ def _warmup_probe(cfg: Config, parts):
 
     def probe() -> float:
         out = validate(parts.engine, subset, cfg, tokenizer=parts.tokenizer, reward_manager=parts.reward_manager,
-                       seed=cfg.trainer.seed)
+                       seed=cfg.trainer.seed, group=parts.pgs.ctrl)
         accs = [v for k, v in out.items() if "/acc/mean@" in k]
         acc = torch.tensor([sum(accs) / len(accs)], device=parts.pgs.device)
         if torch.distributed.is_initialized() and parts.pgs.world_size > 1:

@@ -9,38 +9,94 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.overlong import overlong_filter_mask
 from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.data.dataset import PromptRecord
-from megatron_dapo.rollout.base import PromptInput, RolloutEngine, SamplingParams, samples_to_batch
+from megatron_dapo.rollout.base import PromptInput, RolloutEngine, SamplingParams
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
 from megatron_dapo.workers.batch import PolicyBatch
 
 
+class RewardScoringError(RuntimeError):
+    """The reward manager raised on some rank; every rank raises this, with each failing rank's message."""
+
+
+class PolicyVersionError(RuntimeError):
+    """A rollout row was generated with other weights than the trainer synced last."""
+
+
 def generate(engine: RolloutEngine, records: Sequence[PromptRecord], sampling: SamplingParams, *,
-             group_suffix: str, pad_id: int, max_response_length: int):
+             group_suffix: str, pad_id: int, max_response_length: int, expect_policy_version: int | None = None):
     """Sample `sampling.n` responses per prompt. The GRPO group id is the prompt uid plus a suffix
-    unique to this generation batch, so a prompt drawn twice in one step forms two groups."""
+    unique to this generation batch, so a prompt drawn twice in one step forms two groups.
+
+    expect_policy_version: the version of the weights last synced to the engine; a row generated
+    with any other version raises PolicyVersionError naming it (the servers missed a sync)."""
     prompts = [PromptInput(prompt_id=f"{r.uid}@{group_suffix}", token_ids=tuple(r.prompt_ids)) for r in records]
-    samples = engine.generate(prompts, sampling)
-    return samples_to_batch(samples, pad_id=pad_id, max_response_length=max_response_length)
+    batch = engine.generate_batch(prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+    if expect_policy_version is not None:
+        bad = torch.nonzero(batch.policy_version != expect_policy_version).squeeze(1)
+        if len(bad):
+            r = int(bad[0])
+            raise PolicyVersionError(
+                f"rollout row {r} (group {batch.index[r]!r}) was generated with policy version "
+                f"{int(batch.policy_version[r])}, expected {expect_policy_version} ({len(bad)} of {len(batch)} rows "
+                "differ): the engine did not receive the last weight sync")
+    return batch
 
 
-def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward_manager) -> ScoredBatch:
-    """Decode the responses and run the reward manager (overlong shaping included)."""
+def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward_manager, group=None) -> ScoredBatch:
+    """Decode the responses and run the reward manager (overlong shaping included).
+
+    group: the ranks that share this batch (`pgs.ctrl`). Each scores its share of the rows (row r on
+    rank r % world) and the results are all-gathered, so every rank holds the same rewards and takes
+    the same dynamic-sampling decision whatever its reward timeouts did; the decoded texts are
+    gathered to rank 0 only (dumps), other ranks hold "" for rows they did not score."""
     rows = [records[i // n] for i in range(len(rollout))]
-    texts = [tokenizer.decode(rollout.responses[i, : int(rollout.response_length[i])].tolist())
-             for i in range(len(rollout))]
-    out = reward_manager.score(texts, [r.ground_truth for r in rows], rollout.response_length,
-                               data_sources=[r.data_source for r in rows])
-    extra = dict(out.extra)
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    mine = list(range(rank, len(rollout), world))
+    texts = [tokenizer.decode(rollout.responses[i, : int(rollout.response_length[i])].tolist()) for i in mine]
+    shard: dict = {"rows": mine, "score": [], "reward": [], "extra": {}, "error": None}
+    try:
+        if mine:
+            out = reward_manager.score(texts, [rows[i].ground_truth for i in mine], rollout.response_length[mine],
+                                       data_sources=[rows[i].data_source for i in mine])
+            shard.update(score=out.score.float().tolist(), reward=out.reward.float().tolist(), extra=dict(out.extra))
+    except Exception as e:  # noqa: BLE001 - raised on every rank below, never on one rank alone
+        if world == 1:
+            raise
+        shard["error"] = f"{type(e).__name__}: {e}"
+    if world > 1:
+        shards: list = [None] * world
+        dist.all_gather_object(shards, shard, group=group)
+        text_shards: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(texts, text_shards, dst=dist.get_global_rank(group, 0), group=group)
+    else:
+        shards, text_shards = [shard], [texts]
+    failed = [(k, sh["error"]) for k, sh in enumerate(shards) if sh["error"] is not None]
+    if failed:
+        raise RewardScoringError("reward scoring failed on " + "; ".join(f"rank {k}: {e}" for k, e in failed))
+    B = len(rollout)
+    score_t, reward_t = torch.zeros(B), torch.zeros(B)
+    extra: dict[str, list] = {k: [None] * B for sh in shards for k in sh["extra"]}
+    all_texts = [""] * B
+    for k, sh in enumerate(shards):
+        idx = torch.tensor(sh["rows"], dtype=torch.long)
+        score_t[idx], reward_t[idx] = torch.tensor(sh["score"]), torch.tensor(sh["reward"])
+        for key, vals in sh["extra"].items():
+            for i, v in zip(sh["rows"], vals, strict=True):
+                extra[key][i] = v
+        if text_shards is not None:
+            for i, t in zip(sh["rows"], text_shards[k], strict=True):
+                all_texts[i] = t
     extra["uid"] = [r.uid for r in rows]
-    return ScoredBatch(rollout=rollout, raw_prompt=[r.raw_prompt for r in rows], response_text=texts,
-                       ground_truth=[r.ground_truth for r in rows], scores=out.score.float(),
-                       rewards=out.reward.float(), extra=extra)
+    return ScoredBatch(rollout=rollout, raw_prompt=[r.raw_prompt for r in rows], response_text=all_texts,
+                       ground_truth=[r.ground_truth for r in rows], scores=score_t, rewards=reward_t, extra=extra)
 
 
 def loss_mask(batch: ScoredBatch, *, overlong_filter: bool, max_response_length: int) -> Tensor:

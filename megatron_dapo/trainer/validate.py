@@ -15,7 +15,10 @@ from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.trainer import stages
 
 
-def validate(engine, dataset, cfg, *, tokenizer, reward_manager, seed: int, batch_prompts: int = 256) -> dict[str, float]:
+def validate(engine, dataset, cfg, *, tokenizer, reward_manager, seed: int, batch_prompts: int = 256,
+             group=None, expect_policy_version: int | None = None) -> dict[str, float]:
+    """group: the ranks sharing the work (`pgs.ctrl`; rewards are sharded and gathered, see stages.score);
+    expect_policy_version: checked on every generated row (stages.generate)."""
     vk = cfg.rollout.val_kwargs
     sampling = SamplingParams(max_new_tokens=cfg.data.max_response_length, n=vk.n, temperature=vk.temperature,
                               top_p=vk.top_p, top_k=vk.top_k, stop_token_ids=(tokenizer.eos_id,), seed=seed)
@@ -26,8 +29,9 @@ def validate(engine, dataset, cfg, *, tokenizer, reward_manager, seed: int, batc
     for start in range(0, len(records), batch_prompts):
         chunk = records[start:start + batch_prompts]
         rollout = stages.generate(engine, chunk, sampling, group_suffix="val", pad_id=tokenizer.pad_id,
-                                  max_response_length=cfg.data.max_response_length)
-        scored = stages.score(rollout, chunk, n=vk.n, tokenizer=tokenizer, reward_manager=reward_manager)
+                                  max_response_length=cfg.data.max_response_length,
+                                  expect_policy_version=expect_policy_version)
+        scored = stages.score(rollout, chunk, n=vk.n, tokenizer=tokenizer, reward_manager=reward_manager, group=group)
         for i in range(len(scored)):
             rec = chunk[i // vk.n]
             acc_by_prompt[(rec.data_source, rec.uid)].append(bool(scored.extra["acc"][i]))

@@ -77,3 +77,69 @@ def test_sharded_writer_splits_files_and_reader_finds_every_tensor(tmp_path):
     with pytest.raises(KeyError, match="'t9' not found"):
         reader.get("t9")
     assert ShardedSafetensorsWriter(str(tmp_path / "empty")).close() == {}
+
+
+# ---- the weight sync's gathers on 4 gloo processes -----------------------------------------------------
+STAGE_LAYOUTS = {"tp2_pp2": "tiny", "tp2_ep2_etp1": "tiny_moe", "pp2_ep2": "tiny_moe", "pp2_dp2_vpp2": "tiny"}
+
+
+def _run_stage_state(tmp_path, layouts):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from megatron_dapo.models.arch import get_arch
+    from megatron_dapo.models.builder import build_gpt_model
+    from megatron_dapo.models.weights import gather_canonical_state
+    from megatron_dapo.parallel import init_parallel
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    pgs = init_parallel()
+    canon = {}
+    for preset in sorted(set(STAGE_LAYOUTS[n] for n in layouts)):
+        model = build_gpt_model(get_arch(preset), pgs=pgs, seed=11)
+        canon[preset] = {n: t.clone() for n, t, _ in gather_canonical_state(model, pgs=pgs)}
+        torch.save(canon[preset], tmp_path / f"canonical_{preset}.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(29100 + os.getpid() % 150), str(root / "tests/models/_mp_stage_state.py"),
+           str(tmp_path), *layouts]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in layouts:
+        ranks = [json.loads((tmp_path / f"{name}.rank{k}.json").read_text()) for k in range(4)]
+        union = {}
+        for stage in sorted({rk["stage"] for rk in ranks}):
+            part = torch.load(tmp_path / f"{name}.stage{stage}.pt", weights_only=True)
+            assert not set(part) & set(union), name  # each tensor comes from exactly one stage's sender
+            union.update(part)
+            # every rank of the stage saw the same names and sizes: they cut the same buckets
+            seqs = [rk["seen"] for rk in ranks if rk["stage"] == stage]
+            assert all(s == seqs[0] for s in seqs), (name, stage)
+            assert [n for n, _ in seqs[0]] == list(part), (name, stage)
+            assert [b for _, b in seqs[0]] == [part[n].numel() * part[n].element_size() for n in part], name
+        want = canon[STAGE_LAYOUTS[name]]
+        assert sorted(union) == sorted(want), (name, sorted(set(want) ^ set(union))[:5])
+        for n, t in want.items():  # pure data movement: bit for bit
+            assert torch.equal(union[n], t), (name, n)
+        yield name, ranks
+
+
+@pytest.mark.multiproc
+def test_every_stage_sender_gets_every_tensor_of_its_stage_tp2_pp2_and_tp2_ep2(tmp_path):
+    """TP2 x PP2 (dense) and TP2 x EP2 with expert-TP 1 (MoE): the senders' union is the whole model,
+    all experts included, equal to the world-1 weights; only senders receive (TP / EP gathers)."""
+    for name, ranks in _run_stage_state(tmp_path, ["tp2_pp2", "tp2_ep2_etp1"]):
+        senders = [rk for rk in ranks if rk["sender"]]
+        assert all(rk["traffic"].get("received", 0) > 0 for rk in senders), name
+        assert all(rk["traffic"].get("received", 0) == 0 for rk in ranks if not rk["sender"]), name
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_every_stage_sender_gets_every_tensor_pp2_ep2_and_pp2_dp2_vpp2(tmp_path):
+    for name, ranks in _run_stage_state(tmp_path, ["pp2_ep2", "pp2_dp2_vpp2"]):
+        if name == "pp2_dp2_vpp2":  # DP replicas take no part in the gathers
+            assert all(not rk["traffic"] for rk in ranks), name

@@ -1,0 +1,387 @@
+"""Actor -> SGLang weight sync that reaches every server with every tensor, across processes and nodes.
+
+Who sends (DESIGN.md, "Every tensor reaches every engine"): the first rank of each pipeline stage, the
+stage's sender (models.weights.is_stage_sender). `models.hf.iter_stage_hf_tensors` streams the stage's
+tensors to it one parameter at a time: TP shards gathered over TP (dist.gather, not all_gather), experts
+over expert-TP and then over EP, so the sender also holds the experts of every EP rank. Only senders
+ever hold full tensors, and only one parameter plus one bucket at a time. Stages send in turn (stage 0,
+then stage 1, ...; a barrier on the gloo control group between them), so a server never has two
+updates in flight and the last bucket of the last stage flushes the cache and sets the version.
+
+Two transports, chosen per run (`rollout.weight_transport`):
+
+- "distributed" (disaggregated servers, any node; also colocated on CPU): at start every stage sender
+  opens its own weight-update group with every TP rank of every server (SGLang's
+  /init_weights_update_group; group `<prefix>_pp<stage>`, the sender is group rank 0 and hosts the
+  TCP store on a free port of `host`). Per bucket the sender posts /update_weights_from_distributed
+  (names, dtypes, shapes) to every server and broadcasts the tensors in that order (NCCL on CUDA:
+  device tensors, no host copy; gloo on CPU).
+- "ipc" (colocated: servers on the trainer's GPUs, where NCCL refuses two ranks on one GPU): per
+  bucket the sender broadcasts the tensors over a fan-out group (senders + the first rank of every
+  node) and each node's first rank posts /update_weights_from_tensor to the servers on its node, one
+  ForkingPickler serialization per server TP rank: CUDA IPC handles on GPU. On CPU the same path runs
+  with torch's "file_system" sharing strategy (shared-memory file names, which any process on the node
+  can open, like CUDA IPC handles and unlike the default file descriptors). Handles never leave a node.
+
+Bytes per sync (P parameters of the stage, in the training dtype): the sender of a stage receives
+about P_stage*(tp-1)/tp over TP and the experts of the other EP ranks, and sends P_stage once per
+server TP rank in distributed mode (a broadcast: once on the wire per receiver with gloo; NCCL's ring
+moves it once per link), or once to each node's first rank in ipc mode. Other ranks send their shard
+once. `SyncStats` reports what this rank moved.
+
+Shape legend: tensors keep their own shapes; bucket sizes count numel * element_size bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.models.arch import ModelArch
+from megatron_dapo.models.hf import iter_stage_hf_groups
+from megatron_dapo.models.weights import is_stage_sender
+from megatron_dapo.rollout import sglang_weights as sw
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("distributed", "ipc")
+MIB = sw.MIB
+JOIN_AFTER_REPLY_S = 30.0
+"""How long the group may take to form after every server answered /init_weights_update_group."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync step failed: the message names the server, the route and the stage."""
+
+
+@dataclass(frozen=True)
+class ServerSet:
+    """The servers a sync feeds: URLs, their TP sizes, and the trainer node each runs on (ipc transport)."""
+
+    urls: tuple[str, ...]
+    tp_sizes: tuple[int, ...]
+    nodes: tuple[int, ...] = ()
+    """Node index (torchrun GROUP_RANK) of each server; empty = all on node 0."""
+
+    def __post_init__(self):
+        if not self.urls or len(self.urls) != len(self.tp_sizes):
+            raise ValueError(f"ServerSet: {len(self.urls)} urls but {len(self.tp_sizes)} tp_sizes")
+        if self.nodes and len(self.nodes) != len(self.urls):
+            raise ValueError(f"ServerSet: {len(self.urls)} urls but {len(self.nodes)} node indices")
+
+    def node_of(self, i: int) -> int:
+        return self.nodes[i] if self.nodes else 0
+
+
+@dataclass
+class SyncStats:
+    """What one rank did in one sync (bytes in the tensors' dtype)."""
+
+    seconds: float = 0.0
+    buckets: int = 0
+    tensors: int = 0
+    bytes_sent: int = 0
+    """Bytes this rank put on the wire to servers or node leaders."""
+    bytes_gathered: int = 0
+    """Bytes this rank received from other trainer ranks (TP / EP gathers, ipc fan-out)."""
+    names: list[str] = field(default_factory=list)
+
+
+def post_all(urls: Sequence[str], path: str, bodies: Sequence[Any], *, timeout_s: float) -> None:
+    """POST bodies[i] to urls[i] concurrently; raise WeightSyncError naming every server that failed
+    (an HTTP status other than 200, or a JSON `success: false`)."""
+    def one(url: str, body: Any) -> str | None:
+        try:
+            r = requests.post(url + path, json=body, timeout=(10.0, timeout_s))
+        except requests.RequestException as e:
+            return f"{type(e).__name__}: {e}"
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}: {r.text[:500]}"
+        try:
+            reply = r.json() if r.content else None
+        except ValueError:
+            reply = None
+        if isinstance(reply, dict) and reply.get("success") is False:
+            return f"success=false: {reply.get('message', '')}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
+        errors = list(pool.map(one, urls, bodies))
+    failed = [f"{u}{path}: {e}" for u, e in zip(urls, errors, strict=True) if e is not None]
+    if failed:
+        raise WeightSyncError("; ".join(failed))
+
+
+def reachable_address(urls: Sequence[str]) -> str:
+    """The local address the servers can reach this process at: loopback when every server is on
+    loopback, else the address of the interface that routes to the first server."""
+    hosts = [urlparse(u).hostname or "" for u in urls]
+    if all(h in ("127.0.0.1", "localhost", "::1") for h in hosts):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((hosts[0], 1))  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+
+
+def _open_group(servers: ServerSet, *, host: str, group_name: str, backend: str, timeout_s: float):
+    """Sender side of one weight-update group (rank 0, hosting the store); the servers join through
+    /init_weights_update_group, posted concurrently because they block until every rank has joined.
+    A server that refuses fails this at once with its own message, not after the timeout."""
+    from torch.distributed import distributed_c10d as c10d
+
+    offsets, world_size = sw.weight_group_layout(list(servers.tp_sizes))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    bodies = [sw.init_weights_update_group_payload(master_address=host, master_port=store.port, rank_offset=off,
+                                                   world_size=world_size, group_name=group_name, backend=backend)
+              for off in offsets]
+    pool = ThreadPoolExecutor(max_workers=2)
+    posting = pool.submit(post_all, servers.urls, "/init_weights_update_group", bodies, timeout_s=timeout_s)
+    joining = pool.submit(c10d._new_process_group_helper, world_size, 0, [], c10d.Backend(backend),
+                          c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
+    deadline, replied_at = time.monotonic() + timeout_s, None
+    while not joining.done():
+        if posting.done() and posting.exception() is not None:
+            pool.shutdown(wait=False, cancel_futures=True)  # the join thread stays blocked: this run is over
+            raise WeightSyncError(f"weight-update group {group_name!r} at {host}:{store.port}: "
+                                  f"{posting.exception()}") from posting.exception()
+        if posting.done() and replied_at is None:
+            replied_at = time.monotonic()
+        # SGLang answers /init_weights_update_group once its ranks have joined: a reply without a join
+        # means the servers use another group, address or port.
+        if replied_at is not None and time.monotonic() - replied_at > JOIN_AFTER_REPLY_S:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise WeightSyncError(f"weight-update group {group_name!r} at {host}:{store.port}: every server replied "
+                                  f"to /init_weights_update_group but they did not join within "
+                                  f"{JOIN_AFTER_REPLY_S:g} s")
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"weight-update group {group_name!r} at {host}:{store.port}: the servers did not "
+                                  f"join within {timeout_s:g} s (rollout.weight_sync_timeout_s)")
+        time.sleep(0.01)
+    pg, _ = joining.result()
+    posting.result()
+    pool.shutdown()
+    return pg, store
+
+
+class SGLangWeightSync:
+    """Set up once (`setup`, a collective of every trainer rank), then `sync(version)` every step."""
+
+    def __init__(self, servers: ServerSet, *, pgs, chunks: Sequence, arch: ModelArch, transport: str,
+                 bucket_bytes: int, timeout_s: float = 600.0, host: str | None = None,
+                 group_prefix: str = "megatron_dapo_w", drop_mtp: bool = True,
+                 session: Callable[[str], None] | None = None, node: int | None = None,
+                 node_leader: bool | None = None):
+        """chunks: this rank's unwrapped model chunks (virtual stages in order). session(event): called on
+        rank 0 with "begin" before the first bucket and "end" after the last (SGLang's weight-update
+        session, for the releases that have one). node / node_leader: this rank's node index and
+        whether it is the node's first rank (default: torchrun's GROUP_RANK and LOCAL_RANK == 0)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"rollout.weight_transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        self.servers, self.pgs, self.chunks, self.arch = servers, pgs, list(chunks), arch
+        self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.host = host or reachable_address(servers.urls)
+        self.group_prefix, self.drop_mtp, self.session = group_prefix, drop_mtp, session
+        self.node = int(os.environ.get("GROUP_RANK", 0)) if node is None else node
+        self.node_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0 if node_leader is None else node_leader
+        self.sender = is_stage_sender(pgs)
+        if self.sender and pgs.rank != pgs.pp_rank * (pgs.world_size // pgs.pp_size):
+            raise WeightSyncError(f"rank {pgs.rank} sends stage {pgs.pp_rank} but is not its first rank: "
+                                  "the parallel layout is not Megatron's tp-cp-ep-dp-pp order")
+        self.backend = "nccl" if pgs.device.type == "cuda" else "gloo"
+        self._group = None  # distributed: this sender's weight-update group
+        self._store = None
+        self._fanout = None  # ipc: senders + node leaders
+        self._fanout_ranks: list[int] = []
+        self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
+
+    # ------------------------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        pgs = self.pgs
+        if self.transport == "distributed":
+            for stage in range(pgs.pp_size):  # in turn: a server joins one group at a time
+                if pgs.pp_rank == stage and self.sender:
+                    name = f"{self.group_prefix}_pp{stage}"
+                    self._group, self._store = _open_group(self.servers, host=self.host, group_name=name,
+                                                           backend=self.backend, timeout_s=self.timeout_s)
+                    self._group_name = name
+                self._barrier()
+            return
+        # ipc: every rank learns who the senders and node leaders are, then all create the fan-out group.
+        roles = [None] * pgs.world_size
+        dist.all_gather_object(roles, (self.sender, self.node_leader, self.node), group=pgs.ctrl)
+        self._leaders = {node: r for r, (_, leader, node) in enumerate(roles) if leader}
+        missing = sorted({self.servers.node_of(i) for i in range(len(self.servers.urls))} - set(self._leaders))
+        if missing:
+            raise WeightSyncError(f"servers run on nodes {missing}, which have no trainer rank")
+        self._fanout_ranks = sorted({r for r, (sender, leader, _) in enumerate(roles) if sender or leader})
+        group = dist.new_group(ranks=self._fanout_ranks, backend=self.backend)
+        self._fanout = group if pgs.rank in self._fanout_ranks else None
+        if self.backend == "gloo":
+            # CPU tensors crossing to an unrelated process must travel by shared-memory file name
+            # (the default file descriptors open only in the sender's own children).
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def _barrier(self) -> None:
+        if self.pgs.world_size > 1:
+            dist.barrier(group=self.pgs.ctrl)
+
+    # ------------------------------------------------------------------------------------ one sync
+    def sync(self, version: int) -> SyncStats:
+        """Every tensor of every stage to every server, then the version; a collective of all ranks."""
+        t0 = time.perf_counter()
+        stats, pgs = SyncStats(), self.pgs
+        traffic: dict[str, int] = {}
+        if pgs.rank == 0 and self.session is not None:
+            self.session("begin")
+        self._barrier()
+        for stage in range(pgs.pp_size):
+            in_stage = pgs.pp_rank == stage
+            buckets = self._stage_buckets(stats, traffic) if in_stage else iter(())
+            if self.transport == "distributed":
+                for bucket in buckets:
+                    if self.sender:
+                        self._send_bucket(bucket, stats)
+                if in_stage and self.sender and stage == pgs.pp_size - 1:
+                    self._post_distributed([], version=version)  # flush the cache, set the version
+            elif self._fanout is not None or in_stage:
+                self._fan_out(buckets, stage=stage, version=version, last_stage=stage == pgs.pp_size - 1,
+                              stats=stats)
+            self._barrier()
+        if pgs.rank == 0 and self.session is not None:
+            self.session("end")
+        stats.bytes_gathered = traffic.get("received", 0)
+        stats.bytes_sent += traffic.get("sent", 0)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _stage_buckets(self, stats: SyncStats, traffic: dict):
+        """Buckets of whole parameters (a parameter's HF pieces stay together), cut at bucket_bytes by
+        the sizes every rank of the stage knows, so every rank of the stage cuts the same buckets; a
+        parameter larger than a bucket travels alone. Pieces exist on the sender only."""
+        bucket: list = []
+        size = 0
+        for chunk in self.chunks:
+            for name, pieces, nbytes in iter_stage_hf_groups(chunk, pgs=self.pgs, arch=self.arch,
+                                                             drop_mtp=self.drop_mtp, traffic=traffic):
+                if bucket and size + nbytes > self.bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((name, pieces, nbytes))
+                size += nbytes
+                if pieces is not None:
+                    stats.tensors += len(pieces)
+                    stats.names.extend(n for n, _ in pieces)
+        if bucket:
+            yield bucket
+
+    def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        body = sw.distributed_update_payload(tensors, group_name=self._group_name, flush_cache=version is not None,
+                                             weight_version=None if version is None else str(version))
+        try:
+            post_all(self.servers.urls, "/update_weights_from_distributed", [body] * len(self.servers.urls),
+                     timeout_s=self.timeout_s)
+        except WeightSyncError as e:
+            raise WeightSyncError(f"pipeline stage {self.pgs.pp_rank}: {e}") from e
+
+    def _send_bucket(self, bucket: list, stats: SyncStats) -> None:
+        """Post the bucket's names / dtypes / shapes, broadcast its tensors in that order, wait for every
+        server's reply (the servers wait in the broadcasts meanwhile)."""
+        tensors = [(n, t.detach().contiguous()) for _, pieces, _ in bucket for n, t in pieces]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            posting = pool.submit(self._post_distributed, tensors)
+            for _, t in tensors:
+                self._group.broadcast([t], dist.BroadcastOptions()).wait()
+            posting.result()
+        stats.buckets += 1
+        stats.bytes_sent += sum(self.servers.tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
+
+    def _fan_out(self, buckets, *, stage: int, version: int, last_stage: bool, stats: SyncStats) -> None:
+        """ipc: stage `stage`'s sender broadcasts each bucket to the fan-out group (senders + node leaders);
+        every leader posts it to its node's servers. Ranks of the stage outside the group only run the
+        stage's gathers; members outside the stage follow the sender until its end-of-stage marker."""
+        pgs = self.pgs
+        member = self._fanout is not None
+        src = self._fanout_ranks.index(self._stage_first(stage)) if member else None
+        is_src = pgs.rank == self._stage_first(stage)
+        mine = [i for i in range(len(self.servers.urls)) if self.servers.node_of(i) == self.node]
+        post_here = self.node_leader and bool(mine)
+
+        def deliver(spec, tensors, *, final: bool) -> None:
+            if not post_here:
+                return
+            named = [(name, t) for (name, _, _), t in zip(spec, tensors, strict=True)]
+            flush = final and last_stage
+            bodies = [sw.tensor_update_payload([sw.serialize_named_tensors(named)
+                                                for _ in range(self.servers.tp_sizes[i])],
+                                               flush_cache=flush, weight_version=str(version) if flush else None)
+                      for i in mine]
+            try:
+                post_all([self.servers.urls[i] for i in mine], "/update_weights_from_tensor", bodies,
+                         timeout_s=self.timeout_s)
+            except WeightSyncError as e:
+                raise WeightSyncError(f"pipeline stage {stage}, node {self.node}: {e}") from e
+            # The servers replied: they hold their own copies (or device views they opened), so the
+            # bucket's tensors may be freed when this returns.
+
+        def exchange(bucket: list | None) -> bool:
+            """One bucket over the fan-out group (None: the end marker); False at the end."""
+            box = [None]
+            if is_src and bucket is not None:
+                tensors = [t.detach().contiguous() for _, pieces, _ in bucket for _, t in pieces]
+                box = [[(n, tuple(t.shape), sw.dtype_name(t.dtype)) for _, pieces, _ in bucket for n, t in pieces]]
+            dist.broadcast_object_list(box, group_src=src, group=self._fanout)
+            spec = box[0]
+            if spec is None:
+                deliver([], [], final=True)
+                return False
+            if not is_src:
+                tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=pgs.device) for _, shape, dt in spec]
+            for t in tensors:
+                dist.broadcast(t, group_src=src, group=self._fanout)
+            nbytes = sum(sw.tensor_nbytes(t) for t in tensors)
+            if is_src:
+                stats.buckets += 1
+                stats.bytes_sent += nbytes * (len(self._fanout_ranks) - 1)
+            else:
+                stats.bytes_gathered += nbytes
+            deliver(spec, tensors, final=False)
+            return True
+
+        if pgs.pp_rank == stage:
+            for bucket in buckets:
+                if member:
+                    exchange(bucket)
+            if member:
+                exchange(None)
+        else:
+            while exchange(None):
+                pass
+
+    def _stage_first(self, stage: int) -> int:
+        """Global rank of stage `stage`'s sender: pipeline parallelism is Megatron's outermost dimension,
+        so stage s holds the ranks [s * W / PP, (s + 1) * W / PP)."""
+        return stage * (self.pgs.world_size // self.pgs.pp_size)
+
+    def close(self) -> None:
+        if self._group is not None:
+            try:
+                post_all(self.servers.urls, "/destroy_weights_update_group",
+                         [{"group_name": self._group_name}] * len(self.servers.urls), timeout_s=30.0)
+            except WeightSyncError as e:
+                log.warning("closing the weight-update group: %s", e)
+            self._group = None

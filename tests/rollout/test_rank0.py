@@ -1,0 +1,57 @@
+"""Rank-0-driven rollout on 2 gloo processes: rank 1 waits on the control group, not on a timed
+collective; the batch arrives as tensors equal to rank 0's; an engine error on rank 0 becomes the same
+DriverError on both ranks; rewards are scored once (sharded and gathered) and agree on both ranks even
+when only rank 1's reward calls time out."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.base import PromptInput, Sample, samples_to_batch
+from megatron_dapo.rollout.rank0 import decode_batch, encode_batch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_wire_round_trip_rebuilds_the_batch_from_the_prompts():
+    prompts = [PromptInput(prompt_id="a", token_ids=(5, 6)), PromptInput(prompt_id="b", token_ids=(7,))]
+    samples = [Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
+                      response_token_ids=tuple(range(2 + j)), rollout_log_probs=tuple([-0.5] * (2 + j)),
+                      finish_reason=("stop", "abort")[j], policy_version=3, meta={"k": j} if j else {})
+               for p in prompts for j in range(2)]
+    batch = samples_to_batch(samples, pad_id=0, max_response_length=5)
+    wire = encode_batch(batch)
+    assert wire["tokens"].numel() == int(batch.response_length.sum())  # ragged: no padding is sent
+    back = decode_batch(wire, prompts, 2, pad_id=0, max_response_length=5)
+    for name, value in vars(batch).items():
+        got = getattr(back, name)
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, name
+
+
+@pytest.mark.multiproc
+def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_rewards(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29300 + os.getpid() % 150), str(ROOT / "tests/rollout/_mp_rank0.py"), str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    b0, b1 = (torch.load(tmp_path / f"batch{k}.pt", weights_only=True) for k in (0, 1))
+    for name, value in b0.items():  # rank 0 waited 6 s in its engine; the default group times out after 3 s
+        assert torch.equal(b1[name], value) if isinstance(value, torch.Tensor) else b1[name] == value, name
+    assert b0["finish_reason"].count("abort") == 3 and b0["meta"][1] == {"spec_verify_ct": 1}
+    e0, e1 = ((tmp_path / f"error{k}.txt").read_text() for k in (0, 1))
+    assert e0 == e1 and "ConnectionError" in e0 and "10.0.0.7:30000" in e0
+    s0, s1 = (torch.load(tmp_path / f"scored{k}.pt", weights_only=True) for k in (0, 1))
+    assert torch.equal(s0["scores"], s1["scores"]) and torch.equal(s0["rewards"], s1["rewards"])
+    assert s0["extra"] == s1["extra"]
+    # rows on rank 1 (odd) timed out there and got error_score; rank 0's rows were scored normally
+    assert s0["scores"][1::2].tolist() == [-1.0] * 6 and all(e for e in s0["extra"]["error"][1::2])
+    assert not any(s0["extra"]["error"][0::2])
+    # texts are gathered to rank 0 only (the tokenizer maps id i to chr(97 + i % 26))
+    want = ["".join(chr(97 + t % 26) for t in b0["responses"][r, : int(b0["response_length"][r])].tolist())
+            for r in range(len(b0["index"]))]
+    assert s0["texts"] == want and any(want) and not any(s1["texts"])
