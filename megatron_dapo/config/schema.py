@@ -346,10 +346,10 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    function: Literal["auto", "arithmetic", "math_dapo"] = "auto"
-    """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. [recipe: reward_model.reward_manager=dapo]"""
+    function: Literal["auto", "arithmetic", "math_dapo", "math_dapo_plus", "math_verify"] = "auto"
+    """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. math_dapo scores exactly as verl's math_dapo (+-1); math_dapo_plus normalises answers as a grader would (+-1); math_verify compares answers symbolically with Math-Verify (0/1, as verl's math_verify). [recipe: reward_model.reward_manager=dapo]"""
     strict_box_verify: bool = False
-    """math_dapo: accept only a \\boxed{} answer."""
+    """math_dapo, math_dapo_plus: score only the last \\boxed{} of the final 100 characters, compared with the ground truth as written (an error with another reward function)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """Overlong reward shaping."""
     overlong_filter: bool = False
