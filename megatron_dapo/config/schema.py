@@ -203,7 +203,7 @@ class ActorConfig:
                            "seq-mean-token-sum-norm"] = "token-mean"
     """How the per-token loss becomes a scalar; token-mean is DAPO's token-level loss. [recipe: actor_rollout_ref.actor.loss_agg_mode]"""
     policy_loss: str = "vanilla"
-    """Policy-loss registry entry (vanilla = clipped PPO with dual clip; reinforce). [recipe: actor_rollout_ref.actor.policy_loss.loss_mode]"""
+    """Policy-loss registry entry: vanilla (clipped PPO with dual clip), reinforce, gspo (PPO clip on the length-normalised sequence ratio; GSPO uses clip_ratio_low/high 3e-4/4e-4 and loss_agg_mode seq-mean-token-mean), cispo (REINFORCE weighted by the clipped, gradient-stopped ratio). gspo and cispo take their clip band from clip_ratio_low/high, as in verl; neither has a dual clip. [recipe: actor_rollout_ref.actor.policy_loss.loss_mode]"""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 = off, as in DAPO). [recipe: actor_rollout_ref.actor.entropy_coeff]"""
     use_kl_loss: bool = False
