@@ -8,7 +8,7 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench bench-trl clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
+.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
 	train-moe tensorboard data eval-aime
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
@@ -55,6 +55,27 @@ $(TRL_VENV)/.installed:
 		"datasets==5.2.0" requests
 	touch $@
 
+VERL_VENV ?= .venv-verl
+# verl 0.9.1, the reference of the parity tests (tests/assets/verl/), in its own venv: never a project
+# dependency. --no-deps skips verl's training stack (vllm, flash-attn, ...); the pinned packages after
+# it are exactly what its reward, loss, advantage and rollout-correction modules import (plus
+# safetensors to write the assets), at the versions the committed assets were recorded with.
+verl-env: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed:
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1"
+	$(VERL_VENV)/bin/python -m pip install -q "packaging==25.0" "numpy==2.4.6" "tensordict==0.10.0" \
+		"omegaconf==2.4.0" "transformers==5.10.4" "ray==2.60.0" "codetiming==1.4.0" "math-verify==0.9.0" \
+		"sympy==1.14.0" "safetensors==0.8.0"
+	touch $@
+
+# Re-record verl's outputs into tests/assets/verl/ (then run the parity tests and commit the assets).
+verl-assets: verl-env
+	$(VERL_VENV)/bin/python tools/verl_reference.py
+
 # The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch; DRY_RUN=1 prints
 # every command per node instead). Extra trainer overrides go in ARGS.
 SBATCH ?= sbatch
@@ -92,4 +113,4 @@ eval-aime: install
 		--top-p 0.7 --max-tokens 20480 $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) build *.egg-info .pytest_cache

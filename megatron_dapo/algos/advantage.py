@@ -15,11 +15,16 @@ group whose scores are all equal then gets exactly zero advantage (in float32 th
 three 0.1s is not 0.1, and dividing that round-off by std + 1e-6 gives advantages near 0.01).
 
 Every estimator returns `(advantages, returns)`, both [B, T], zero on padding, detached.
+
+verl calls every estimator with its algorithm config as `config=` (and the prompt ids as `index=`),
+so each accepts `config` (a dataclass, namespace or mapping). GRPO and RLOO ignore it, as verl does;
+REINFORCE++ and GAE read `gamma` (and `lam`) from it when those are not passed explicitly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,6 +147,21 @@ def _group_ids(
     return inverse.to(device), num_ids
 
 
+def _knob(value: float | None, name: str, config: Any, default: float) -> float:
+    """An estimator knob: the explicit keyword, else verl's `config.<name>`, else the default.
+
+    Both given and different is a ValueError naming the knob (never a silent pick of one).
+    """
+    from_config = None
+    if config is not None:
+        from_config = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    if value is not None and from_config is not None and float(value) != float(from_config):
+        raise ValueError(f"{name}={value!r} disagrees with config.{name}={from_config!r}; pass one of them")
+    if value is not None:
+        return float(value)
+    return default if from_config is None else float(from_config)
+
+
 def _masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
     """(values - mean) / sqrt(var + 1e-8) with the mean and unbiased variance over valid tokens."""
     n_valid = mask.sum()
@@ -165,11 +185,13 @@ def compute_grpo_outcome_advantage(
     index: Sequence | np.ndarray | Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO outcome advantage, one response at a time (the plain specification).
 
     Keyword arguments: token_level_rewards [B, T], response_mask [B, T], index (B prompt ids),
-    epsilon=1e-6, norm_adv_by_std_in_grpo=True.
+    epsilon=1e-6, norm_adv_by_std_in_grpo=True, config=None (verl's algorithm config; ignored, as
+    in verl, whose trainer passes norm_adv_by_std_in_grpo explicitly).
 
     score = row sum of token_level_rewards; per group mean and unbiased std (torch.std); a group
     of one response gets mean 0 and std 1. adv = (score - mean) / (std + epsilon), or
@@ -213,11 +235,13 @@ def compute_grpo_vectorized_outcome_advantage(
     index: Sequence | np.ndarray | Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO outcome advantage with group statistics from index_add / bincount (no row loop).
 
     Keyword arguments and result: exactly those of `compute_grpo_outcome_advantage`
-    (token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True).
+    (token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True,
+    config=None).
     """
     _check_rewards(token_level_rewards, response_mask)
     batch_size = token_level_rewards.shape[0]
@@ -250,10 +274,12 @@ def compute_rloo_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
     index: Sequence | np.ndarray | Tensor,
+    config: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """RLOO (leave-one-out) outcome advantage.
 
-    Keyword arguments: token_level_rewards [B, T], response_mask [B, T], index (B prompt ids).
+    Keyword arguments: token_level_rewards [B, T], response_mask [B, T], index (B prompt ids),
+    config=None (verl's algorithm config; ignored, as in verl).
 
     For a group of n > 1 responses: adv_i = score_i - mean of the other n-1 scores
     (= n/(n-1) * (score_i - group mean)); a group of one keeps its raw score.
@@ -279,27 +305,34 @@ def compute_rloo_outcome_advantage(
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
-    gamma: float = 1.0,
+    gamma: float | None = None,
+    config: Any = None,
+    index: Sequence | np.ndarray | Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over the batch's valid tokens.
+    """REINFORCE++: discounted return-to-go, whitened over the batch's valid tokens (as verl 0.9.1).
 
-    Keyword arguments: token_level_rewards [B, T], response_mask [B, T], gamma=1.0.
+    Keyword arguments: token_level_rewards [B, T], response_mask [B, T], gamma (default: config.gamma,
+    else 1.0), config=None (verl's algorithm config), index=None (ignored: REINFORCE++ has no
+    groups; verl's trainer passes every estimator the prompt ids).
 
-    returns_t = r_t + gamma * returns_{t+1}, where the carried return is reset to 0 after every
-    padded position; advantages = masked_whiten(returns) * mask (mean and unbiased variance over
-    the valid tokens). Returns (advantages, returns * mask).
+    Over the valid tokens, returns_t = r_t + gamma * returns_{t'} with t' the next valid token: a
+    masked position (padding, or a tool observation inside a multi-turn response) neither adds its
+    reward nor breaks the recursion, so the outcome reward reaches every valid token before it.
+    advantages = masked_whiten(returns) * mask (mean and unbiased variance over the valid tokens).
+    Returns (advantages, returns), both 0 on masked positions.
     """
     _check_rewards(token_level_rewards, response_mask)
+    gamma = _knob(gamma, "gamma", config, 1.0)
     mask = response_mask.to(token_level_rewards.dtype)
     returns = torch.zeros_like(token_level_rewards)
-    running = torch.zeros_like(token_level_rewards[:, 0])  # [B]
+    running = torch.zeros_like(token_level_rewards[:, 0])  # [B], the return from the next valid token
     # A loop over T (not over responses): the recursion is sequential in time.
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        valid = mask[:, t] > 0
+        running = torch.where(valid, token_level_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid, running, torch.zeros_like(running))
     advantages = _masked_whiten(returns, mask) * mask
-    return advantages, returns * mask
+    return advantages, returns
 
 
 @register_adv_est("gae")
@@ -308,19 +341,22 @@ def compute_gae_advantage_return(
     token_level_rewards: Tensor,
     values: Tensor,
     response_mask: Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+    gamma: float | None = None,
+    lam: float | None = None,
+    config: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (needs a critic's `values`).
 
     Keyword arguments: token_level_rewards [B, T], values [B, T], response_mask [B, T],
-    gamma=1.0, lam=1.0.
+    gamma and lam (default: config.gamma / config.lam, else 1.0), config=None.
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, where
     padded positions are skipped (they neither contribute a TD error nor break the recursion).
     returns = A + V (the critic's target). Returns (masked_whiten(A) * mask, returns * mask).
     """
     _check_rewards(token_level_rewards, response_mask, values)
+    gamma = _knob(gamma, "gamma", config, 1.0)
+    lam = _knob(lam, "lam", config, 1.0)
     mask = response_mask.to(token_level_rewards.dtype)
     values = values.to(token_level_rewards.dtype)
     next_value = torch.zeros_like(token_level_rewards[:, 0])  # [B]

@@ -28,6 +28,8 @@ __all__ = [
     "AGG_MODES",
     "POLICY_LOSS_KWARGS",
     "agg_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_gspo",
     "compute_policy_loss_reinforce",
     "compute_policy_loss_vanilla",
     "get_policy_loss_fn",
@@ -149,6 +151,10 @@ def check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_
     """The clip arguments' contract, shared with the fused kernel: ValueError naming the argument."""
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c!r}")
+    _check_clip_band(clip_ratio_low, clip_ratio_high)
+
+
+def _check_clip_band(clip_ratio_low: float, clip_ratio_high: float) -> None:
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low!r}")
     if not clip_ratio_high >= 0.0:
@@ -314,4 +320,144 @@ def compute_policy_loss_reinforce(
     if old_log_prob is not None:
         log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
         metrics["actor/ppo_kl"] = _masked_mean(-log_ratio, mask)
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
+    rollout_is_weights: Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: Tensor | Real | None = None,
+    global_batch_size: Tensor | Real | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): PPO clipping on a sequence-level ratio.
+
+    s_i     = exp(mean over the valid tokens of row i of (log_prob - old_log_prob))  [B]
+    s_i,t   = exp(clamp(sg[log s_i] + log_prob - sg[log_prob], max=10))   (value s_i, the
+              gradient of token t's own log-prob: GSPO-token)
+    loss    = max(-A*s_i,t, -A*clamp(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    then times `rollout_is_weights` (if given) and aggregated by `agg_loss`.
+
+    As verl 0.9.1 defines it (value and gradient equal on the recorded cases): the sequence
+    ratio is not clamped at +-20 (a length-normalised log-ratio is small), only the combined log
+    ratio at 10; there is no dual clip, so `clip_ratio_c` is accepted for the shared signature and
+    ignored. The clip ratios act on a sequence ratio near 1: the GSPO paper and verl's recipe use
+    3e-4 / 4e-4 (the defaults here; set actor.clip_ratio_low/high to them) with
+    loss_agg_mode="seq-mean-token-mean" (the default here; the actor passes actor.loss_agg_mode).
+    A row without valid tokens has s_i = 1 and no weight in the loss.
+
+    Metrics (detached 0-dim tensors, masked means over this call): "actor/pg_clipfrac" (the
+    clipped term is the larger), "actor/ppo_kl" (old_log_prob - log_prob, unclamped) and
+    "actor/pg_clipfrac_lower" (always 0: no dual clip).
+    """
+    _check_same_shape(
+        "log_prob",
+        log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
+    _check_clip_band(clip_ratio_low, clip_ratio_high)
+    mask = response_mask.to(log_prob.dtype)
+    # Padding may hold anything: it never enters the sequence mean.
+    log_ratio = torch.where(mask > 0, log_prob - old_log_prob, torch.zeros_like(log_prob))  # [B, T]
+    seq_log_ratio = log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)  # [B]
+    # Value: the sequence ratio on every token; gradient: each token's own log-prob.
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))  # [B, T]
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+
+    loss = agg_loss(
+        pg_losses,
+        mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+    )
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(loss_clipped > loss_unclipped, mask),
+        "actor/ppo_kl": _masked_mean(-log_ratio, mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    rollout_is_weights: Tensor | None = None,
+    dp_size: int = 1,
+    batch_num_tokens: Tensor | Real | None = None,
+    global_batch_size: Tensor | Real | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stopped IS ratio.
+
+    ratio = exp(clamp(log_prob - old_log_prob, -20, 20))
+    w     = sg[clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)]
+    loss  = -w * A * log_prob, then times `rollout_is_weights` (if given) and aggregated by `agg_loss`.
+
+    Unlike PPO clipping, no token loses its gradient: a clipped ratio only caps the token's weight.
+    As verl 0.9.1 defines it (value and gradient equal on the recorded cases), with the clip
+    bounds taken from actor.clip_ratio_low/high; there is no dual clip, so `clip_ratio_c` is
+    accepted for the shared signature and ignored. The loss value is -w*A*log_prob (not a ratio),
+    so it is not comparable with the vanilla loss's value; its gradient is -w*A*grad(log_prob).
+
+    Metrics (detached 0-dim tensors, masked means over this call): "actor/pg_clipfrac" (tokens
+    whose ratio was clipped), "actor/ppo_kl" (old_log_prob - log_prob, after the clamp) and
+    "actor/pg_clipfrac_lower" (always 0: no dual clip).
+    """
+    _check_same_shape(
+        "log_prob",
+        log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
+    _check_clip_band(clip_ratio_low, clip_ratio_high)
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+
+    loss = agg_loss(
+        pg_losses,
+        mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+    )
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(ratio != clipped_ratio, mask),
+        "actor/ppo_kl": _masked_mean(-log_ratio, mask),
+        "actor/pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
+    }
     return loss, metrics

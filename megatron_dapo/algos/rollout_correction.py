@@ -320,24 +320,43 @@ def compute_rollout_correction(
 def _mismatch_metrics(
     old_log_prob: Tensor, rollout_log_prob: Tensor, log_ratio: Tensor, valid: Tensor
 ) -> dict:
-    """Off-policy diagnostics over the valid tokens of the input mask."""
+    """Off-policy diagnostics over the valid tokens of the input mask, defined as verl 0.9.1 does.
+
+    Users put these next to verl's curves, so the definitions are verl's, including where they
+    differ from the IS/RS statistics above: `kl`, `k3_kl` and the per-row log-ratio sum of
+    `chi2_seq` use the *unclamped* log ratio (`chi2_token` and the sum are clamped at +-20 before
+    exp); per-sequence statistics (the ppl, log_ppl and chi2_seq metrics) average over *every* row,
+    a row without valid tokens counting as a mean log-prob of 0 (ppl 1, log ratio 0).
+    """
     maskf = valid.to(log_ratio.dtype)
+    zero = torch.zeros_like(log_ratio)
+    raw_log_ratio = torch.where(valid, old_log_prob - rollout_log_prob, zero)  # [B, T], unclamped
     tokens_per_seq = maskf.sum(dim=-1).clamp(min=1)  # [B]
-    seq_valid = valid.any(dim=-1).to(log_ratio.dtype)  # [B]
-    seq_log_ratio = torch.clamp((log_ratio * maskf).sum(dim=-1), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    old_safe = torch.where(valid, old_log_prob, torch.zeros_like(old_log_prob))
-    rollout_safe = torch.where(valid, rollout_log_prob, torch.zeros_like(rollout_log_prob))
-    training_ppl = torch.exp(-old_safe.sum(dim=-1) / tokens_per_seq)  # [B]
-    rollout_ppl = torch.exp(-rollout_safe.sum(dim=-1) / tokens_per_seq)
+    old_mean = torch.where(valid, old_log_prob, zero).sum(dim=-1) / tokens_per_seq  # [B]
+    rollout_mean = torch.where(valid, rollout_log_prob, zero).sum(dim=-1) / tokens_per_seq  # [B]
+    log_ppl_diff = rollout_mean - old_mean  # [B] = log(training_ppl / rollout_ppl) per row
+    seq_log_ratio = torch.clamp(raw_log_ratio.sum(dim=-1), -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)  # [B]
     return {
         "rollout_corr/log_ratio_mean": _mean(log_ratio, maskf),
-        "rollout_corr/kl": _mean(-log_ratio, maskf),
-        "rollout_corr/k3_kl": _mean(torch.exp(log_ratio) - 1.0 - log_ratio, maskf),
-        "rollout_corr/chi2_token": _mean(torch.exp(2.0 * log_ratio), maskf) - 1.0,
-        "rollout_corr/chi2_seq": _mean(torch.exp(2.0 * seq_log_ratio), seq_valid) - 1.0,
-        "rollout_corr/training_ppl": _mean(training_ppl, seq_valid),
-        "rollout_corr/rollout_ppl": _mean(rollout_ppl, seq_valid),
+        "rollout_corr/kl": _mean(-raw_log_ratio, maskf),
+        "rollout_corr/k3_kl": _mean(torch.exp(raw_log_ratio) - raw_log_ratio - 1.0, maskf),
+        "rollout_corr/chi2_token": _mean(torch.exp(log_ratio).square(), maskf) - 1.0,
+        "rollout_corr/chi2_seq": _over_rows(torch.exp(2.0 * seq_log_ratio), torch.mean) - 1.0,
+        "rollout_corr/training_ppl": _over_rows(torch.exp(-old_mean), torch.mean),
+        "rollout_corr/training_log_ppl": _over_rows(-old_mean, torch.mean),
+        "rollout_corr/rollout_ppl": _over_rows(torch.exp(-rollout_mean), torch.mean),
+        "rollout_corr/rollout_log_ppl": _over_rows(-rollout_mean, torch.mean),
+        "rollout_corr/log_ppl_diff": _over_rows(log_ppl_diff, torch.mean),
+        "rollout_corr/log_ppl_abs_diff": _over_rows(log_ppl_diff.abs(), torch.mean),
+        "rollout_corr/log_ppl_diff_max": _over_rows(log_ppl_diff, torch.max),
+        "rollout_corr/log_ppl_diff_min": _over_rows(log_ppl_diff, torch.min),
+        "rollout_corr/ppl_ratio": _over_rows(torch.exp(log_ppl_diff), torch.mean),
     }
+
+
+def _over_rows(values: Tensor, reduce) -> Tensor:
+    """A reduction over the B rows; 0 for an empty batch (B = 0) instead of NaN or an error."""
+    return reduce(values) if values.numel() else values.new_zeros(())
 
 
 # ---------------------------------------------------------------------------------------------

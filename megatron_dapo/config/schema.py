@@ -201,7 +201,7 @@ class ActorConfig:
                            "seq-mean-token-sum-norm"] = "token-mean"
     """How the per-token loss becomes a scalar; token-mean is DAPO's token-level loss. [recipe: actor_rollout_ref.actor.loss_agg_mode]"""
     policy_loss: str = "vanilla"
-    """Policy-loss registry entry (vanilla = clipped PPO with dual clip; reinforce). [recipe: actor_rollout_ref.actor.policy_loss.loss_mode]"""
+    """Policy-loss registry entry: vanilla (clipped PPO with dual clip), reinforce, gspo (PPO clip on the length-normalised sequence ratio; GSPO uses clip_ratio_low/high 3e-4/4e-4 and loss_agg_mode seq-mean-token-mean), cispo (REINFORCE weighted by the clipped, gradient-stopped ratio). gspo and cispo take their clip band from clip_ratio_low/high, as in verl; neither has a dual clip. [recipe: actor_rollout_ref.actor.policy_loss.loss_mode]"""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0 = off, as in DAPO). [recipe: actor_rollout_ref.actor.entropy_coeff]"""
     use_kl_loss: bool = False
@@ -351,10 +351,10 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    function: Literal["auto", "arithmetic", "math_dapo"] = "auto"
-    """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. [recipe: reward_model.reward_manager=dapo]"""
+    function: Literal["auto", "arithmetic", "math_dapo", "math_dapo_plus", "math_verify"] = "auto"
+    """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. math_dapo scores exactly as verl's math_dapo (+-1); math_dapo_plus normalises answers as a grader would (+-1); math_verify compares answers symbolically with Math-Verify (0/1, as verl's math_verify). [recipe: reward_model.reward_manager=dapo]"""
     strict_box_verify: bool = False
-    """math_dapo: accept only a \\boxed{} answer."""
+    """math_dapo, math_dapo_plus: score only the last \\boxed{} of the final 100 characters, compared with the ground truth as written (an error with another reward function)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """Overlong reward shaping."""
     overlong_filter: bool = False

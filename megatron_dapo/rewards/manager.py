@@ -27,6 +27,8 @@ but a hanging function hangs the step.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import multiprocessing
@@ -44,7 +46,7 @@ from multiprocessing.connection import wait as wait_for_connections
 import torch
 
 from megatron_dapo.algos.overlong import overlong_penalty
-from megatron_dapo.rewards import arithmetic, math_dapo
+from megatron_dapo.rewards import arithmetic, math_dapo, math_dapo_plus, math_verify
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ def register_reward_fn(name: str) -> Callable[[ScoreFn], ScoreFn]:
 
 
 register_reward_fn("math_dapo")(math_dapo.compute_score)
+register_reward_fn("math_dapo_plus")(math_dapo_plus.compute_score)
+register_reward_fn("math_verify")(math_verify.compute_score)
 register_reward_fn("arithmetic")(arithmetic.compute_score)
 
 
@@ -109,6 +113,25 @@ def get_reward_fn(name: str) -> ScoreFn:
     if name not in _REWARD_FNS:
         raise ValueError(f"unknown reward function {name!r}; known: {sorted(_REWARD_FNS)}")
     return _REWARD_FNS[name]
+
+
+def make_reward_fn(name: str, *, strict_box_verify: bool = False) -> ScoreFn:
+    """The reward function ``name`` with the ``reward.*`` options it takes bound by keyword.
+
+    Resolved once, when the trainer is built. ``strict_box_verify`` is bound for functions that
+    have that parameter (math_dapo, math_dapo_plus); setting it for one that does not is a
+    ValueError naming ``reward.strict_box_verify``, never a silently ignored option.
+    """
+    fn = get_reward_fn(name)
+    if "strict_box_verify" in inspect.signature(fn).parameters:
+        return functools.partial(fn, strict_box_verify=bool(strict_box_verify))
+    if strict_box_verify:
+        takers = sorted(n for n, f in _REWARD_FNS.items() if "strict_box_verify" in inspect.signature(f).parameters)
+        raise ValueError(
+            f"strict_box_verify=True (reward.strict_box_verify) has no meaning for reward function "
+            f"{name!r}; it applies to {takers}"
+        )
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------

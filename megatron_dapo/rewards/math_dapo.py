@@ -1,162 +1,147 @@
-"""Rule-based math reward of the DAPO recipe: compare the model's final answer with the ground truth.
+"""The DAPO recipe's rule-based math reward, scoring exactly as verl 0.9.1's ``math_dapo`` does.
 
-Two ways to read the answer (``compute_score``):
+Users compare our reward curves and validation scores with verl's, so ``compute_score`` returns the
+same ``score``, ``acc`` and ``pred`` as ``verl.utils.reward_score.math_dapo.compute_score`` on every
+string input; ``tests/rewards/test_verl_parity.py`` checks this on the verl outputs recorded in
+``tests/assets/verl/`` (``tools/verl_reference.py``). The rules:
 
-- default: the last ``Answer: ...`` line of the response. Both that line and the ground truth go
-  through ``normalize_final_answer`` (Minerva-style: keep what follows the last ``=``, drop units,
-  articles, ``$``, ``\\text{}`` wrappers, thousands commas, ...), then must be equal as strings.
-  With no ``Answer:`` line, the last ``\\boxed{...}`` in the final 100 characters is used instead and
-  compared with the ground truth as written (only surrounding whitespace stripped).
-- ``strict_box_verify=True``: only that boxed check.
+- Only the final ``TAIL_CHARS`` (300) characters of the response are read.
+- Default mode: the text of the last ``Answer: ...`` line (``(?i)Answer\\s*:\\s*([^\\n]+)``) and the
+  ground truth both go through ``normalize_final_answer`` and must then be equal strings. When
+  there is no such line (or its text normalises to ``"[INVALID]"``), the last ``\\boxed{...}`` of
+  the final 100 characters is compared with the ground truth exactly as written (no strip, no
+  normalisation); with neither, ``pred`` is ``"[INVALID]"``.
+- ``strict_box_verify=True``: only that boxed check; ``pred`` is None without a box.
+- ``pause_tokens_index`` (four character offsets into the 300-character tail, as verl takes them):
+  the boxed check reads from 100 characters before the last offset instead of the final 100.
 
-Only the final 300 characters of the response are read (the DAPO prompt asks for the answer on
-the last line, and a long reasoning trace must not smuggle in an earlier guess).
-Score scale: 1.0 correct, -1.0 otherwise (the DAPO recipe's scale; the arithmetic reward uses 0/1).
+The normalisation is Minerva's (Lewkowycz et al. 2022, appendix D), and verl keeps its quirks, so we
+keep them too: ``\\fbox`` is not a box; ``"an "`` and ``"a "`` are deleted anywhere (``"\\tan x"``
+becomes ``"\\tx"``) before every space is; unit words are deleted inside longer words; ``\\dfrac``,
+``\\left``/``\\right``, ``\\%``, ``\\,`` and ``-1,000`` are left as they are; ``\\text{...}``
+unwraps only up to its first ``}``; an ``Answer:`` line holding ``\\boxed{x=5}`` becomes ``"5}"``.
+``reward.function=math_dapo_plus`` (``math_dapo_plus.py``) normalises these the way a grader would.
+
+Score scale: 1.0 correct, -1.0 otherwise.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-# How much of the response is read at all, and where the boxed fallback looks.
+__all__ = ["INVALID_PRED", "compute_score", "last_boxed_content", "normalize_final_answer"]
+
+# How much of the response is read at all, and how much of it the boxed check looks at.
 TAIL_CHARS = 300
 BOXED_TAIL_CHARS = 100
 
 INVALID_PRED = "[INVALID]"
 
 _ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_BOX_OPEN = "\\boxed{"
 
-# Literal rewrites applied before anything else looks at the string (order matters: ".$" must be
-# seen before "$" handling, "\text{m}" (metres) before units are dropped).
+# Minerva's literal rewrites, applied in this order: the articles go before the spaces do.
 _SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
+    ("an ", ""),
+    ("a ", ""),
     (".$", "$"),
-    ("\\$", ""),  # an escaped dollar is a currency sign, not math mode
+    ("\\$", ""),
     ("\\ ", ""),
+    (" ", ""),
     ("mbox", "text"),
     (",\\text{and}", ","),
     ("\\text{and}", ","),
     ("\\text{m}", "\\text{}"),
 )
 
-# Unit words, removed when they stand alone (not inside a longer word such as "Monday" or
-# "\seconds"), in singular or plural form.
-_UNIT_WORDS: tuple[str, ...] = tuple(
-    """
-    degree radian cm mm km centimeter millimeter kilometer meter metre mile mph second minute hour
-    day week month year foot feet inch inches yard liter litre gram kg pound ounce dollar cent unit
-    square sq point way integer digit student edge meal
-    """.split()
-)
-_UNIT_RE = re.compile(
-    r"(?<![A-Za-z\\])(?:" + "|".join(sorted(_UNIT_WORDS, key=len, reverse=True)) + r")(?:e?s)?(?![A-Za-z])"
-)
-
-# An article before a word ("an integer" -> "integer"), but not inside words such as "\tan" nor a
-# variable named a ("a + b").
-_ARTICLE_RE = re.compile(r"(?<![A-Za-z\\])(?:an|a)\s+(?=[A-Za-z])")
-
-# Markup that carries no value.
+# Minerva's deleted substrings (units and markup), in this order, wherever they occur.
 # fmt: off
-_REMOVED_EXPRESSIONS: tuple[str, ...] = (
-    "\\ldots", "\\dots", "^\\circ", "^{\\circ}", "\\;", "\\,", ",\\!", "\\!", "{,}", '"',
-    "\\%", "%", "\\text{}^2", "\\text{}^3", "\\text{}", "\\mathrm{th}", "\\left", "\\right",
+_REMOVED: tuple[str, ...] = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+    ",\\!", "{,}", '"', "\\dots",
 )
 # fmt: on
 
-# "1,000" / "-12,345.5": digit groups of three separated by commas (and nothing else), so a
-# tuple such as "1,2" is left alone.
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def last_boxed_content(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces matched.
-
-    Returns None when there is no box or its braces never close. ``\\boxed 5`` (no braces) gives "5".
-    """
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    rest = text[start:]
-    head = "\\boxed" if rest.startswith("\\boxed") else "\\fbox"
-    rest = rest[len(head) :]
-    if rest.startswith(" "):
-        # "\boxed 5": the argument is the next token, up to "$" or whitespace.
-        token = rest.lstrip().split("$")[0].split()
-        return token[0] if token else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[1:i]
-    return None
-
-
-def _unwrap_command(text: str, command: str) -> str:
-    """Replace every ``\\command{inner}`` by ``inner`` (innermost braces matched, non-greedy)."""
-    return re.sub(re.escape(command) + r"\{([^{}]*)\}", r"\1", text)
-
-
-def _fix_shorthand_tex(text: str) -> str:
-    """Expand brace-less TeX arguments: ``\\frac12`` -> ``\\frac{1}{2}``, ``\\sqrt3`` -> ``\\sqrt{3}``."""
-    text = re.sub(r"\\frac([^{\\\s])([^{\\\s])", r"\\frac{\1}{\2}", text)
-    text = re.sub(r"\\frac(\{[^{}]*\})([^{\\\s])", r"\\frac\1{\2}", text)
-    text = re.sub(r"\\frac([^{\\\s])\{", r"\\frac{\1}{", text)
-    text = re.sub(r"\\sqrt([^{\[\\\s])", r"\\sqrt{\1}", text)
-    return text
+# Regex rewrites after the deletions, in this order. `.` never crosses a newline, so each line of a
+# multi-line ground truth is rewritten on its own.
+_REWRITES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r".*?\$(.*?)\$.*"), r"$\1$"),  # keep only the first $...$ span of a line
+    (re.compile(r"\\text\{(.*?)\}"), r"\1"),  # up to the first "}", even inside nested braces
+    (re.compile(r"\\textbf\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\overline\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\boxed\{(.*)\}"), r"\1"),  # up to the last "}" of the line
+    (re.compile(r"frac([^{])(.)"), r"frac{\1}{\2}"),  # \frac12 -> \frac{1}{2}
+    (re.compile(r"sqrt([^{])"), r"sqrt{\1}"),  # \sqrt3 -> \sqrt{3}
+)
 
 
 def normalize_final_answer(answer: str) -> str:
-    """Canonical form of a final answer, so that equivalent ways of writing it compare equal.
+    """Minerva's canonical form of a final answer, as verl 0.9.1 computes it.
 
-    Steps, in order: take the content of the last ``\\boxed{}`` if any; keep what follows the last
-    ``=``; literal substitutions (``\\$`` dropped, ``mbox`` -> ``text``, ...); drop articles and unit
-    words; drop valueless markup (``^\\circ``, ``\\%``, ``\\dots``, ...); remove all whitespace;
-    keep the first ``$...$`` span when there is one; unwrap ``\\text{}``, ``\\textbf{}``,
-    ``\\overline{}``, ``\\mathrm{}``; ``\\dfrac``/``\\tfrac`` -> ``\\frac``; expand shorthand
-    ``\\frac12``/``\\sqrt3``; drop remaining ``$``; remove thousands separators from a plain number.
+    Keep what follows the last ``=``; literal substitutions (articles, spaces, ``\\$``, ``mbox``);
+    delete unit words and markup; keep the first ``$...$`` span; unwrap ``\\text{}``,
+    ``\\textbf{}``, ``\\overline{}``, ``\\boxed{}``; expand ``\\frac12`` and ``\\sqrt3``; drop ``$``;
+    drop the commas of a string that is digits once they are gone (``str.isdigit``, so Unicode
+    digits count); strip.
     """
-    text = answer
-    boxed = last_boxed_content(text)
-    if boxed is not None:
-        text = boxed
-    text = text.split("=")[-1]
+    text = answer.split("=")[-1]
     for before, after in _SUBSTITUTIONS:
         text = text.replace(before, after)
-    text = _ARTICLE_RE.sub("", text)
-    text = _UNIT_RE.sub("", text)
-    for expression in _REMOVED_EXPRESSIONS:
-        text = text.replace(expression, "")
-    text = re.sub(r"\s+", "", text)
-    # Text around a math span ("is $5$ apples") is prose: keep the first math span only.
-    span = re.search(r"\$(.*?)\$", text)
-    if span is not None:
-        text = span.group(1)
-    while True:  # unwrap innermost first, until nested wrappers are gone
-        unwrapped = text
-        for command in ("\\text", "\\textbf", "\\overline", "\\mathrm", "\\mathbf"):
-            unwrapped = _unwrap_command(unwrapped, command)
-        if unwrapped == text:
-            break
-        text = unwrapped
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = _fix_shorthand_tex(text)
+    for removed in _REMOVED:
+        text = text.replace(removed, "")
+    for pattern, replacement in _REWRITES:
+        text = pattern.sub(replacement, text)
     text = text.replace("$", "")
-    if _THOUSANDS_RE.fullmatch(text):
+    if text.replace(",", "").isdigit():
         text = text.replace(",", "")
     return text.strip()
 
 
-def _boxed_check(tail: str, ground_truth: str) -> tuple[bool, str | None]:
-    """Last ``\\boxed{}`` of the final BOXED_TAIL_CHARS characters vs the ground truth as written."""
-    content = last_boxed_content(tail[-BOXED_TAIL_CHARS:])
-    if content is None:
-        return False, None
-    return content.strip() == ground_truth.strip(), content
+def last_boxed_content(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text``, its braces matched; None without one.
+
+    Only the literal ``\\boxed{`` opens a box (not ``\\fbox``, not ``\\boxed 5``); a box whose braces
+    never close counts as no box.
+    """
+    start = text.rfind(_BOX_OPEN)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len(_BOX_OPEN) - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len(_BOX_OPEN) : i]
+    return None
+
+
+def _boxed_check(
+    tail: str, ground_truth: str, pause_tokens_index: Sequence[int] | None
+) -> tuple[bool, str | None]:
+    """The last box of the window before the answer vs the ground truth as written."""
+    if pause_tokens_index is None:
+        window = tail[-BOXED_TAIL_CHARS:]
+    else:
+        if len(pause_tokens_index) != 4:
+            raise ValueError(
+                f"pause_tokens_index must hold 4 offsets (verl's convention), got {list(pause_tokens_index)!r}"
+            )
+        # Python slicing on purpose: an offset below 100 starts the window from the end, as in verl.
+        window = tail[pause_tokens_index[-1] - BOXED_TAIL_CHARS :]
+    content = last_boxed_content(window)
+    return content == ground_truth, content
+
+
+def _answer_line_check(tail: str, ground_truth: str) -> tuple[bool, str]:
+    answers = _ANSWER_RE.findall(tail)
+    pred = normalize_final_answer(answers[-1] if answers else INVALID_PRED)
+    return pred == normalize_final_answer(ground_truth), pred
 
 
 def _as_text(ground_truth: str | int) -> str:
@@ -167,12 +152,18 @@ def _as_text(ground_truth: str | int) -> str:
     return str(ground_truth)
 
 
-def compute_score(solution_str: str, ground_truth: str, strict_box_verify: bool = False) -> dict:
+def compute_score(
+    solution_str: str,
+    ground_truth: str,
+    strict_box_verify: bool = False,
+    pause_tokens_index: Sequence[int] | None = None,
+) -> dict:
     """Score one response against its ground truth (see the module docstring for the rules).
 
-    Returns ``{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}``. ``pred`` is the normalised
-    ``Answer:`` text, the raw box content in the boxed modes, ``"[INVALID]"`` when the default
-    mode finds neither, and None in strict mode without a box.
+    Returns ``{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}``: ``pred`` is the normalised
+    ``Answer:`` text, the raw box content when the boxed check decided, ``"[INVALID]"`` when the
+    default mode finds neither, and None in strict mode without a box. An int ground truth is
+    compared as its decimal text (verl accepts only strings).
     """
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
@@ -180,14 +171,11 @@ def compute_score(solution_str: str, ground_truth: str, strict_box_verify: bool 
     tail = solution_str[-TAIL_CHARS:]
 
     if strict_box_verify:
-        correct, pred = _boxed_check(tail, truth)
+        correct, pred = _boxed_check(tail, truth, pause_tokens_index)
     else:
-        answers = _ANSWER_RE.findall(tail)
-        if answers:
-            pred = normalize_final_answer(answers[-1])
-            correct = pred == normalize_final_answer(truth)
-        else:
-            correct, pred = _boxed_check(tail, truth)
-            if pred is None:
-                pred = INVALID_PRED
+        correct, pred = _answer_line_check(tail, truth)
+        if pred == INVALID_PRED:
+            box_correct, box_pred = _boxed_check(tail, truth, pause_tokens_index)
+            if box_pred is not None:
+                correct, pred = box_correct, box_pred
     return {"score": 1.0 if correct else -1.0, "acc": bool(correct), "pred": pred}

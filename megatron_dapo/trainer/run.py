@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from megatron_dapo.config import Config, to_yaml
+from megatron_dapo.config import Config, ConfigError, to_yaml
 
 log = logging.getLogger("megatron_dapo")
 
@@ -196,6 +196,23 @@ def _session_hook(engine):
     return hook
 
 
+def build_reward_manager(cfg: Config):
+    """The reward manager from reward.* (every field passed by keyword; auto picks by data.task)."""
+    from megatron_dapo.rewards.manager import RewardManager, make_reward_fn
+
+    r = cfg.reward
+    name = r.function if r.function != "auto" else ("arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")
+    try:
+        score_fn = make_reward_fn(name, strict_box_verify=r.strict_box_verify)
+    except ValueError as e:
+        raise ConfigError("reward.strict_box_verify", str(e)) from None
+    ob = r.overlong_buffer
+    return RewardManager(score_fn, max_response_length=cfg.data.max_response_length,
+                         overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
+                         overlong_penalty_factor=ob.penalty_factor, on_error=r.on_error,
+                         error_score=r.error_score, timeout_s=r.timeout_s, num_workers=r.num_workers)
+
+
 def build_parts(cfg: Config):
     from megatron_dapo.algos.advantage import get_adv_estimator_fn
     from megatron_dapo.algos.kl import get_kl_controller
@@ -203,7 +220,6 @@ def build_parts(cfg: Config):
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.metrics import MetricsLogger
     from megatron_dapo.parallel import init_parallel
-    from megatron_dapo.rewards.manager import RewardManager, get_reward_fn
     from megatron_dapo.trainer.fit import TrainerParts
     from megatron_dapo.workers.build import build_actor
 
@@ -225,14 +241,7 @@ def build_parts(cfg: Config):
         log.info("memory plan:\n%s", format_plan(plan))
         check_fits(plan)
     train, val = _datasets(cfg, tokenizer)
-    reward_name = cfg.reward.function if cfg.reward.function != "auto" else (
-        "arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")
-    ob = cfg.reward.overlong_buffer
-    rm = RewardManager(get_reward_fn(reward_name), max_response_length=cfg.data.max_response_length,
-                       overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
-                       overlong_penalty_factor=ob.penalty_factor, on_error=cfg.reward.on_error,
-                       error_score=cfg.reward.error_score, timeout_s=cfg.reward.timeout_s,
-                       num_workers=cfg.reward.num_workers)
+    rm = build_reward_manager(cfg)
     actor = build_actor(cfg, pgs, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
     sampler = ResumableSampler(len(train), cfg.data.effective_gen_batch_size, seed=cfg.data.seed,
                                shuffle=cfg.data.shuffle)

@@ -2,6 +2,7 @@
 
 import math
 import statistics
+import types
 
 import numpy as np
 import pytest
@@ -161,7 +162,7 @@ def test_reinforce_plus_plus_by_hand():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 7.0]], dtype=F64)  # 7.0 sits on padding
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=gamma)
-    # Row 1: the padded 7.0 is not carried back (the return resets after a padded position).
+    # Row 1: the padded 7.0 is not carried back (a masked position adds no reward).
     expected_returns = torch.tensor([[0.25, 0.5, 1.0], [0.5, 1.0, 0.0]], dtype=F64)
     torch.testing.assert_close(returns, expected_returns)
     valid = [0.25, 0.5, 1.0, 0.5, 1.0]
@@ -194,3 +195,59 @@ def test_advantages_are_detached():
     rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]], requires_grad=True)
     adv, _ = compute_grpo_vectorized_outcome_advantage(rewards, torch.ones(2, 2), ["a", "a"])
     assert not adv.requires_grad
+
+
+def test_reinforce_plus_plus_carries_the_return_across_masked_gaps():
+    """verl 0.9.1's REINFORCE++: a masked position inside a response (a tool observation, a token
+    dropped by rejection sampling) neither adds its reward nor cuts the return off."""
+    gamma = 0.5
+    rewards = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]], dtype=F64)  # the 5.0 is masked
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=gamma)
+    # Row 0: t=2 gives 1; t=1 is skipped; t=0 gets 0 + 0.5 * 1 (not 0: the gap does not reset it).
+    torch.testing.assert_close(returns, torch.tensor([[0.5, 0.0, 1.0], [2.0, 0.0, 0.0]], dtype=F64))
+    valid = [0.5, 1.0, 2.0, 0.0]
+    mean, var = statistics.mean(valid), statistics.variance(valid)
+    torch.testing.assert_close(adv, (returns - mean) / math.sqrt(var + 1e-8) * mask)
+
+
+VERL_CONFIG = types.SimpleNamespace(gamma=0.5, lam=0.9, norm_adv_by_std_in_grpo=True)  # an AlgoConfig stand-in
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo", "reinforce_plus_plus", "gae"])
+def test_every_estimator_accepts_verls_config_keyword(name):
+    rewards, mask = _outcome_batch([1.0, 0.0, 1.0, 1.0])
+    kwargs = {"token_level_rewards": rewards, "response_mask": mask, "config": VERL_CONFIG}
+    if name == "gae":
+        kwargs["values"] = torch.zeros_like(rewards)
+    else:  # verl's trainer passes the uids to every estimator but GAE
+        kwargs["index"] = ["a", "a", "b", "b"]
+    adv, _ = get_adv_estimator_fn(name)(**kwargs)
+    assert adv.shape == rewards.shape and torch.isfinite(adv).all()
+
+
+def test_reinforce_plus_plus_reads_gamma_from_config_as_verl_does():
+    rewards, mask = _outcome_batch([1.0, 0.0, 1.0, 3.0])
+    explicit = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    for config in (VERL_CONFIG, {"gamma": 0.5}):
+        from_config = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=config, index=[0, 0, 1, 1])
+        for a, b in zip(explicit, from_config):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    default = compute_reinforce_plus_plus_outcome_advantage(rewards, mask)
+    torch.testing.assert_close(default[1], compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=1.0)[1])
+
+
+def test_gae_reads_gamma_and_lam_from_config():
+    rewards, mask = _outcome_batch([1.0, 0.0, 2.0])
+    values = torch.full_like(rewards, 0.1)
+    explicit = compute_gae_advantage_return(rewards, values, mask, gamma=0.5, lam=0.9)
+    from_config = compute_gae_advantage_return(rewards, values, mask, config=VERL_CONFIG)
+    for a, b in zip(explicit, from_config):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_knob_given_twice_with_different_values_is_an_error_naming_it():
+    rewards, mask = _outcome_batch([1.0, 0.0])
+    with pytest.raises(ValueError, match=r"gamma=0.9 disagrees with config.gamma=0.5"):
+        compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.9, config=VERL_CONFIG)
+    compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5, config=VERL_CONFIG)  # agreeing is fine

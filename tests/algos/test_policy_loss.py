@@ -299,7 +299,7 @@ def test_registry_resolves_builtin_losses():
 
 
 def test_unknown_policy_loss_lists_registered_names():
-    with pytest.raises(ValueError, match=r"\['reinforce', 'vanilla'"):
+    with pytest.raises(ValueError, match=r"\['cispo', 'gspo', 'reinforce', 'vanilla'"):
         get_policy_loss_fn("ppo")
 
 
@@ -308,7 +308,7 @@ def test_registering_a_different_function_under_a_taken_name_raises():
         register_policy_loss("vanilla")(lambda **kwargs: None)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "reinforce"])
+@pytest.mark.parametrize("name", ["vanilla", "reinforce", "gspo", "cispo"])
 def test_every_registered_loss_accepts_the_shared_keyword_set(name):
     old, log_prob, adv, mask = _random_batch()
     kwargs = dict(

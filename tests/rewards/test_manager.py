@@ -266,7 +266,7 @@ def test_registry_resolves_names_and_lists_them_on_a_miss():
     assert get_reward_fn("math_dapo") is math_dapo.compute_score
     assert get_reward_fn("arithmetic") is arithmetic.compute_score
     with pytest.raises(
-        ValueError, match=r"unknown reward function 'gsm8k'; known: \['arithmetic', 'math_dapo'\]"
+        ValueError, match=r"unknown reward function 'gsm8k'; known: \['arithmetic', 'math_dapo', 'math_dapo_plus', 'math_verify'\]"
     ):
         get_reward_fn("gsm8k")
     with pytest.raises(ValueError, match="already registered"):
