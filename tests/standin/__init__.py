@@ -41,8 +41,9 @@ __all__ = ["LAUNCHER", "StandinServer", "available_versions", "expected_checksum
            "tensor_checksum", "toy_continuation"]
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = (sys.executable, "-m", "tests.standin.server")
-"""What replaces `python -m sglang.launch_server` in tests (run from the repository root)."""
+LAUNCHER = (sys.executable, str(Path(__file__).with_name("server.py")))
+"""What replaces `python -m sglang.launch_server` in tests (`python -m tests.standin.server` from the
+repository root is the same; the script form works from any directory)."""
 
 
 def free_port() -> int:
@@ -156,8 +157,8 @@ class StandinServer:
 
     # --------------------------------------------------------------------------- test routes
 
-    def _get(self, path: str, **params) -> Any:
-        r = self._session.get(self.url + path, params=params, timeout=30)
+    def _get(self, route: str, **params) -> Any:
+        r = self._session.get(self.url + route, params=params, timeout=30)
         r.raise_for_status()
         return r.json()
 
@@ -171,6 +172,10 @@ class StandinServer:
 
     def stats(self) -> dict:
         return self._get("/_standin/stats")
+
+    def reset(self) -> None:
+        """Forget what was received and restore the default knobs (between tests sharing a server)."""
+        self._session.post(self.url + "/_standin/reset", timeout=30).raise_for_status()
 
     def knobs(self, **values) -> dict:
         r = self._session.post(self.url + "/_standin/knobs", json=values, timeout=30)

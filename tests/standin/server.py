@@ -45,6 +45,12 @@ malformed replies, kill after N tokens), requests (what arrived, in order), stat
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (python tests/standin/server.py): import from the repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import json
 import logging
 import os
@@ -291,13 +297,24 @@ def _t_weights(st: State, body, query, handler):
         return {"tp_size": len(ranks), "ranks": [sorted(w) for w in ranks]}
 
 
+def _t_reset(st: State, body, query, handler):
+    """Forget the records and restore the knobs (a server shared by a test module)."""
+    with st.lock:
+        st.requests.clear()
+        st.ignored.clear()
+        st.knobs = dict(KNOBS)
+        st.generate_max_inflight = st.generate_inflight
+        st.tokens_generated = 0
+    return {"reset": True}
+
+
 def _t_kill(st: State, body, query, handler):
     threading.Timer(0.05, lambda: os._exit(9)).start()  # after this reply is written
     return {"killing": os.getpid()}
 
 
 TEST_ROUTES = {"/_standin/knobs": _t_knobs, "/_standin/requests": _t_requests, "/_standin/stats": _t_stats,
-               "/_standin/weights": _t_weights, "/_standin/kill": _t_kill}
+               "/_standin/weights": _t_weights, "/_standin/kill": _t_kill, "/_standin/reset": _t_reset}
 
 
 # ----------------------------------------------------------------------------- main
