@@ -108,6 +108,7 @@ class StandinServer:
                                    f"200:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.reset()  # the records start empty: the /health polls above are not the test's
                     return self
             except requests.RequestException:
                 pass
