@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from tests.standin.protocol import DEFAULT_VERSION, Protocol, available_versions
 
-STANDIN_FLAGS = ("--emulate-version", "--toy", "--toy-vocab-size", "--max-lifetime-s", "--receive-timeout-s")
+STANDIN_FLAGS = ("--emulate-version", "--toy", "--toy-vocab-size", "--max-lifetime-s", "--receive-timeout-s",
+                 "--load-delay-s")
 
 
 def _dest(flag: str) -> str:
@@ -41,6 +42,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Protocol
                          help="exit by itself after this long (a test that forgets to stop it)")
     standin.add_argument("--receive-timeout-s", type=float, default=120.0,
                          help="timeout of weight-update group rendezvous and broadcasts")
+    standin.add_argument("--load-delay-s", type=float, default=0.0,
+                         help="wait this long before loading the model (/health answers 503 meanwhile)")
     interpreted = {"--port": int, "--tp-size": int, "--tensor-parallel-size": int, "--context-length": int,
                    "--speculative-num-steps": int, "--speculative-num-draft-tokens": int,
                    "--speculative-eagle-topk": int, "--mem-fraction-static": float, "--base-gpu-id": int}

@@ -56,6 +56,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -322,6 +323,7 @@ TEST_ROUTES = {"/_standin/knobs": _t_knobs, "/_standin/requests": _t_requests, "
 
 def _load(st: State) -> None:
     a = st.args
+    time.sleep(a.load_delay_s)
     try:
         if a.toy:
             from tests.standin.toy import ToyModel
