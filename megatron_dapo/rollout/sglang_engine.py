@@ -66,12 +66,7 @@ from megatron_dapo.rollout.sglang_payloads import (  # noqa: F401  (re-exported:
     parse_spec_meta,
     spec_fields,
 )
-from megatron_dapo.rollout.sglang_versions import (
-    SELECTORS,
-    ReleaseFeatures,
-    UnsupportedSGLangVersion,
-    features_for,
-)
+from megatron_dapo.rollout.sglang_versions import SELECTORS, UnsupportedSGLangVersion, server_facts
 
 logger = logging.getLogger(__name__)
 
@@ -153,36 +148,16 @@ class SGLangEngine(RolloutEngine):
             raise
 
     def _connect(self, *, require_deterministic: bool) -> None:
-        """Read every server's release and launch settings; refuse unsupported or mixed releases."""
-        infos = []
-        for url in self.urls:
-            info = self._server_info(url)
-            version = info.get("version")
-            if not isinstance(version, str):
-                raise UnsupportedSGLangVersion(f"{url}: /server_info reports no SGLang version ({version!r})")
-            features_for(version, where=url)
-            infos.append((url, info))
-        versions = {info["version"] for _, info in infos}
-        if len(versions) > 1:
-            listed = ", ".join(f"{u}: {i['version']}" for u, i in infos)
-            raise UnsupportedSGLangVersion(f"the servers run different SGLang releases ({listed}); use one")
-        self.sglang_version = versions.pop()
-        self.features: ReleaseFeatures = features_for(self.sglang_version)
+        """Read every server's release and launch settings (sglang_versions.server_facts)."""
+        facts = server_facts([(url, self._server_info(url)) for url in self.urls],
+                             require_deterministic=require_deterministic)
+        self.sglang_version, self.features = facts.version, facts.features
+        self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
         self._spec = spec_fields(self.features)
-        limits = [i.get("context_length") for _, i in infos]
-        limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
-        self._context_length = min(limits) if limits else None
+        self._warned_unseeded = False
         if self._context_length is None:
             logger.info("SGLang servers report no context_length (launched without --context-length): "
                         "prompts that do not fit are not refused before sending")
-        det = [bool(i.get("enable_deterministic_inference")) for _, i in infos]
-        self.seeds_honoured = all(det)
-        if require_deterministic and not self.seeds_honoured:
-            off = [u for (u, _), d in zip(infos, det) if not d]
-            raise RolloutEngineError(
-                f"rollout.deterministic_inference=true but {off} run without --enable-deterministic-inference: "
-                "SGLang would ignore the sampling seeds; relaunch them with the flag")
-        self._warned_unseeded = False
 
     def _server_info(self, url: str) -> dict:
         """/server_info (0.5.8+), else the deprecated /get_server_info (which releases before 0.5.8 had)."""

@@ -91,3 +91,39 @@ def features_for(version: str, *, where: str = "the server") -> ReleaseFeatures:
         if v >= parse_version(release):
             features = dataclasses.replace(features, **change)
     return features
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the client learns at connect from the servers' /server_info."""
+
+    version: str
+    features: ReleaseFeatures
+    context_length: int | None
+    """The smallest --context-length over the servers; None when they were launched without one."""
+    seeds_honoured: bool
+    """Every server runs with --enable-deterministic-inference (SGLang honours sampling_seed only then)."""
+
+
+def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False) -> ServerFacts:
+    """Check the (url, /server_info) of every server: one supported release, and deterministic
+    inference when `require_deterministic` (rollout.deterministic_inference) asks for it."""
+    for url, info in infos:
+        version = info.get("version")
+        if not isinstance(version, str):
+            raise UnsupportedSGLangVersion(f"{url}: /server_info reports no SGLang version ({version!r})")
+        features_for(version, where=url)
+    versions = {info["version"] for _, info in infos}
+    if len(versions) > 1:
+        listed = ", ".join(f"{u}: {i['version']}" for u, i in infos)
+        raise UnsupportedSGLangVersion(f"the servers run different SGLang releases ({listed}); use one")
+    version = versions.pop()
+    limits = [i.get("context_length") for _, i in infos]
+    limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    off = [u for u, i in infos if i.get("enable_deterministic_inference") is not True]
+    if require_deterministic and off:
+        raise RolloutEngineError(
+            f"rollout.deterministic_inference=true but {off} run without --enable-deterministic-inference: "
+            "SGLang would ignore the sampling seeds; relaunch them with the flag")
+    return ServerFacts(version=version, features=features_for(version), context_length=min(limits) if limits else None,
+                       seeds_honoured=not off)
