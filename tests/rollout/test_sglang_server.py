@@ -258,3 +258,54 @@ def test_launch_servers_starts_all_and_a_failed_start_stops_the_others(tmp_path)
         launch_servers(bad, log_dir=tmp_path / "bad", timeout_s=30, launcher=LAUNCHER)
     with pytest.raises(requests.ConnectionError):
         requests.get(specs[0].url + "/health", timeout=2)
+
+
+def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_inference(monkeypatch, tmp_path):
+    """rollout.deterministic_inference and the data limits reach every server's command line (issue #15
+    items 1 and 2), and the engine is told to insist on seeded servers."""
+    import pathlib
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.rollout import sglang_server
+    from megatron_dapo.trainer import run as run_mod
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    launched = []
+    monkeypatch.setattr(sglang_server, "launch_servers", lambda specs, **kw: launched.extend(specs) or [])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for det in (True, False):
+        launched.clear()
+        cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
+            "rollout.engine=sglang", "model.hf_path=/models/tiny", f"rollout.deterministic_inference={det}",
+            "data.max_prompt_length=40", "data.max_response_length=24", f"trainer.output_dir={tmp_path}"])
+        run_mod._launch_sglang(cfg)
+        assert launched and all(s.deterministic_inference is det and s.context_length == 64 for s in launched)
+        cmd = build_launch_command(launched[0])
+        assert cmd[cmd.index("--context-length") + 1] == "64"
+        assert ("--enable-deterministic-inference" in cmd) is det
+
+
+def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tmp_path):
+    import pathlib
+    import types
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.rollout import sglang_engine
+    from megatron_dapo.trainer import run as run_mod
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    made = []
+
+    class Recorder:
+        policy_version = 0
+
+        def __init__(self, urls, **kw):
+            made.append(kw)
+
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", Recorder)
+    for det in (True, False):
+        cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
+            "rollout.engine=sglang", "rollout.sglang_urls=[http://127.0.0.1:1]",
+            f"rollout.deterministic_inference={det}", f"trainer.output_dir={tmp_path}"])
+        run_mod._sglang_engine(cfg, types.SimpleNamespace(rank=0, world_size=1))
+        assert made[-1]["require_deterministic"] is det
