@@ -50,6 +50,8 @@ def _seed(st: State, params: dict) -> int:
 
 
 def generate(st: State, body: dict, query) -> Any:
+    if body.get("stream"):
+        raise value_error("the stand-in does not stream: send stream=false")
     ids = body.get("input_ids")
     if ids is None:
         if body.get("text") is not None:

@@ -38,6 +38,11 @@ generation is refused with 400 naming the cause while weights / KV cache / CUDA 
 or while weights resumed without CPU backup have not all been updated; an unknown or mis-shaped
 tensor name is a 400 naming it; an unknown memory tag is a 400.
 
+Not emulated (a request needing them is a 400 saying so, or simply absent): streaming, text prompts
+(no tokenizer), sampling_params.n > 1, continuous batching (items run one after another, forwards
+interleave between requests), SGLang's own abort of a non-streaming request whose client disconnected
+(it polls every 4 s; here a timed-out request runs on until aborted or done, the worst case).
+
 Test-only routes (never SGLang's) live under /_standin/: knobs (delays, transient failures,
 malformed replies, kill after N tokens), requests (what arrived, in order), stats, weights
 (?checksum=1: per TP rank, a checksum per received HF tensor), kill.
@@ -178,6 +183,13 @@ def _server_info(st: State, body, query):
             "max_req_input_len": None if ctx is None else ctx - 1, "internal_states": [{}]}
 
 
+def _deprecated(st: State, old: str, new: str) -> None:
+    """SGLang 0.5.8+ logs this for every call of the old route (0.5.5 has only the old one)."""
+    if new in st.proto.routes:
+        log.warning("Endpoint '%s' is deprecated and will be removed in a future version. Please use '%s' instead.",
+                    old, new)
+
+
 def _flush_cache(st: State, body, query):
     with st.lock:
         busy = st.generate_inflight
@@ -242,9 +254,9 @@ ROUTES = {
     "/health": _health,
     "/health_generate": _health_generate,
     "/model_info": _model_info,
-    "/get_model_info": _model_info,
+    "/get_model_info": lambda st, b, q: _deprecated(st, "/get_model_info", "/model_info") or _model_info(st, b, q),
     "/server_info": _server_info,
-    "/get_server_info": _server_info,
+    "/get_server_info": lambda st, b, q: _deprecated(st, "/get_server_info", "/server_info") or _server_info(st, b, q),
     "/flush_cache": _flush_cache,
     "/abort_request": _abort,
     "/generate": _gen.generate,
