@@ -317,6 +317,8 @@ class RolloutConfig:
     """Address SGLang servers bind to (loopback unless a cluster-internal address is given)."""
     server_base_port: int = 30000
     """First port of the SGLang servers."""
+    deterministic_inference: bool = False
+    """engine=sglang: launch the servers with --enable-deterministic-inference, so they honour the per-sample sampling seeds and a rerun samples the same rollouts; costs decoding speed (batch-invariant kernels, pytorch sampling, a deterministic attention backend). False: seeds are not sent (SGLang would ignore them) and rollouts are not reproducible. With rollout.sglang_urls the servers must match (checked at connect)."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """MTP speculative decoding."""
 

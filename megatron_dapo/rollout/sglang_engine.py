@@ -1,46 +1,47 @@
 """SGLang rollout engine: an HTTP client of one or more SGLang servers (`RolloutEngine`).
 
-Protocol (SGLang's documented native API, checked against the SGLang docs and its io_struct.py):
+Supported releases: sglang_versions.SUPPORTED (0.5.8 to 0.5.23). At construction the engine reads
+every server's /server_info (its `version`, `context_length`, `enable_deterministic_inference`)
+and refuses a release outside the range with UnsupportedSGLangVersion; what differs per release
+(routes, counter names, weight-update sessions) comes from `sglang_versions.features_for`.
 
-- POST /generate with a batch: `input_ids` (list of token lists), `sampling_params` (one dict per
-  item: temperature, top_p, top_k, max_new_tokens, stop_token_ids, sampling_seed), `rid` (one id
-  per item), `return_logprob: true`, `logprob_start_len: -1` (output tokens only), `stream: false`.
-  The reply is a list, one result per item in order: `{"text", "output_ids", "meta_info": {"id",
-  "finish_reason": {"type": "stop"|"length"|"abort", ...}, "prompt_tokens", "completion_tokens",
-  "output_token_logprobs": [[logprob, token_id, text|null], ...], spec_* counts}}`.
-  Response tokens are read from `output_token_logprobs` and cross-checked with `output_ids` and
-  `completion_tokens` when present; a mismatch raises EngineReplyError naming the field.
-- n > 1 is expanded here into n batch items (SGLang's own `n` reorders batch outputs); with a seed,
-  item j of prompt p gets `sampling_seed = derive_sample_seed(seed, p, j)`. SGLang honours
-  sampling_seed only when launched with --enable-deterministic-inference.
+Protocol (the request and reply layout: sglang_payloads):
+
+- POST /generate with a batch of up to `max_batch_size` items. n > 1 is expanded here into n batch
+  items (SGLang's own `n` reorders batch outputs); with a seed, item j of prompt p gets
+  `sampling_seed = derive_sample_seed(seed, p, j)`, sent only when the servers run with
+  --enable-deterministic-inference (SGLang ignores it otherwise; the engine then logs once that
+  rollouts are not seeded, and `require_deterministic=True` makes that an error at connect).
+- A prompt whose tokens + max_new_tokens exceed the servers' context length (their
+  --context-length, which the launcher sets) is a ValueError before anything is sent; SGLang
+  itself would refuse only an input of the full context and cut max_new_tokens silently.
 - rollout_log_probs are what SGLang returns: by default log_softmax(logits / temperature) of the
   sampled token, before top-k / top-p filtering (SGLANG_RETURN_ORIGINAL_LOGPROB switches to the
   pre-temperature distribution: leave it unset so they match the actor's log-probs at temperature).
 - POST /abort_request {"abort_all": true}: in-flight requests finish with finish_reason "abort"
-  and their partial output. GET /health, /health_generate, /get_model_info.
+  and their partial output. GET /health, /health_generate, /model_info (0.5.8+).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
-  Weight updates: see sglang_weights.py.
-- Speculative decoding: per-request `spec_verify_ct` plus the proposed / accepted draft counts,
-  named `spec_num_proposed_drafts` / `spec_num_correct_drafts` in current SGLang and
-  `spec_draft_token_num` / `spec_accept_token_num` in earlier releases. They become
-  Sample.meta["spec_draft_tokens" | "spec_accepted_tokens" | "spec_verify_ct"].
+  Weight updates: see sglang_weights.py; from 0.5.21 the distributed and tensor updates run inside
+  a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
 
 Concurrency: at most `max_concurrency` requests in flight per server (blocking `requests` calls on
 a thread pool of max_concurrency x servers threads); each request carries up to `max_batch_size`
 items; a request goes to the server with the fewest requests in flight.
 Connection errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff
-(possibly on another server); HTTP 4xx is not retried.
+(possibly on another server); HTTP 4xx is not retried. Before a timed-out request is retried its
+rids are aborted on the server that timed out (it would otherwise keep generating them), and the
+retry carries fresh rids (SGLang refuses a rid that is still in flight).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -48,147 +49,26 @@ import torch
 
 from megatron_dapo.rollout import sglang_weights as sw
 from megatron_dapo.rollout.base import (
-    FINISH_REASONS,
     PromptInput,
     RolloutEngine,
     RolloutEngineError,
     Sample,
     SamplingParams,
     check_generate_inputs,
-    derive_sample_seed,
 )
+from megatron_dapo.rollout.sglang_payloads import (  # noqa: F401  (re-exported: the engine's API)
+    EngineReplyError,
+    EngineRequestError,
+    EngineTimeoutError,
+    ParsedOutput,
+    build_generate_payload,
+    parse_generate_output,
+    parse_spec_meta,
+    spec_fields,
+)
+from megatron_dapo.rollout.sglang_versions import SELECTORS, UnsupportedSGLangVersion, server_facts
 
 logger = logging.getLogger(__name__)
-
-# (meta key in Sample.meta, SGLang names in order of preference: current release first)
-_SPEC_FIELDS = (
-    ("spec_draft_tokens", ("spec_num_proposed_drafts", "spec_draft_token_num", "spec_proposed_drafts")),
-    ("spec_accepted_tokens", ("spec_num_correct_drafts", "spec_accept_token_num", "spec_accepted_drafts")),
-    ("spec_verify_ct", ("spec_verify_ct",)),
-)
-
-
-class EngineReplyError(RolloutEngineError):
-    """A server reply that does not follow the protocol; the message names the request and field."""
-
-
-class EngineRequestError(RolloutEngineError):
-    """A request that failed (HTTP 4xx, or 5xx / connection errors after every retry)."""
-
-
-class EngineTimeoutError(EngineRequestError):
-    """A request that timed out on its last attempt."""
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    """One /generate result, validated."""
-
-    token_ids: tuple[int, ...]
-    log_probs: tuple[float, ...]
-    finish_reason: str
-    meta: dict[str, int]
-
-
-def build_generate_payload(
-    items: Sequence[tuple[PromptInput, int]], sampling: SamplingParams, rids: Sequence[str]
-) -> dict[str, Any]:
-    """JSON body of one batched POST /generate; `items` are (prompt, sample_index) pairs."""
-    params = []
-    for prompt, j in items:
-        p: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-        }
-        if sampling.stop_token_ids:
-            p["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            p["sampling_seed"] = derive_sample_seed(sampling.seed, prompt.prompt_id, j)
-        params.append(p)
-    return {
-        "input_ids": [list(prompt.token_ids) for prompt, _ in items],
-        "sampling_params": params,
-        "rid": list(rids),
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "stream": False,
-    }
-
-
-def parse_spec_meta(meta_info: dict[str, Any], *, request: str) -> dict[str, int]:
-    """Speculative-decoding counts of one request (empty when the server ran without them)."""
-    out: dict[str, int] = {}
-    for key, names in _SPEC_FIELDS:
-        name = next((n for n in names if n in meta_info), None)
-        if name is None:
-            continue
-        v = meta_info[name]
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise EngineReplyError(f"{request}: meta_info.{name} must be an int >= 0, got {v!r}")
-        out[key] = v
-    return out
-
-
-def parse_generate_output(item: Any, *, request: str, max_new_tokens: int) -> ParsedOutput:
-    """Validate one /generate result and pull out tokens, log-probs, finish reason and spec meta."""
-    if not isinstance(item, dict):
-        raise EngineReplyError(f"{request}: result must be a JSON object, got {type(item).__name__}")
-    meta = item.get("meta_info")
-    if not isinstance(meta, dict):
-        raise EngineReplyError(f"{request}: field meta_info missing or not an object")
-    fr = meta.get("finish_reason")
-    if not isinstance(fr, dict) or fr.get("type") not in FINISH_REASONS:
-        raise EngineReplyError(
-            f"{request}: meta_info.finish_reason must be an object with type in {FINISH_REASONS}, got {fr!r}"
-        )
-    finish = fr["type"]
-    entries = meta.get("output_token_logprobs")
-    if entries is None and finish == "abort":
-        entries = []  # aborted before the first decode step: SGLang may send no log-probs at all
-    if not isinstance(entries, list):
-        raise EngineReplyError(f"{request}: meta_info.output_token_logprobs missing or not a list")
-    tokens, logps = [], []
-    for i, e in enumerate(entries):
-        if not (isinstance(e, (list, tuple)) and len(e) >= 2):
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] must be [logprob, token_id, text], got {e!r}"
-            )
-        lp, tok = e[0], e[1]
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] token id {tok!r} is not an int >= 0"
-            )
-        if (
-            not isinstance(lp, (int, float))
-            or isinstance(lp, bool)
-            or not (lp == lp and abs(lp) != float("inf"))
-        ):
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
-            )
-        tokens.append(tok)
-        logps.append(float(lp))
-    output_ids = item.get("output_ids")
-    if output_ids is not None and list(output_ids) != tokens:
-        raise EngineReplyError(
-            f"{request}: output_ids ({len(output_ids)} tokens) disagree with meta_info.output_token_logprobs "
-            f"({len(tokens)} tokens)"
-        )
-    completion = meta.get("completion_tokens")
-    if completion is not None and finish != "abort" and completion != len(tokens):
-        raise EngineReplyError(
-            f"{request}: meta_info.completion_tokens={completion!r} but output_token_logprobs has {len(tokens)} entries"
-        )
-    if len(tokens) > max_new_tokens:
-        raise EngineReplyError(
-            f"{request}: meta_info.output_token_logprobs has {len(tokens)} tokens > max_new_tokens={max_new_tokens}"
-        )
-    return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request))
-
 
 class SGLangEngine(RolloutEngine):
     """Rollout over SGLang servers at `urls` (see the module docstring for the protocol)."""
@@ -207,7 +87,13 @@ class SGLangEngine(RolloutEngine):
         max_backoff_s: float = 30.0,
         tp_size: int = 1,
         policy_version: int = 0,
+        require_deterministic: bool = False,
+        open_weight_sessions: bool = True,
     ):
+        """require_deterministic: refuse servers that ignore sampling seeds (launched without
+        --enable-deterministic-inference). open_weight_sessions: update_weights_* open a weight-update
+        session themselves when the release needs one and none is open; False when another engine
+        (one coordinator for several senders) opens it around the whole sync."""
         if isinstance(urls, str) or not urls:
             raise ValueError(f"urls must be a non-empty list of server URLs, got {urls!r}")
         for name, v, lo in (
@@ -252,22 +138,55 @@ class SGLangEngine(RolloutEngine):
         self._sessions_lock = threading.Lock()
         self._weight_group = None
         self._weight_group_name: str | None = None
+        self._weight_session: str | None = None  # the open session's selector
+        self._open_weight_sessions = bool(open_weight_sessions)
         self._closed = False
+        try:
+            self._connect(require_deterministic=require_deterministic)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, *, require_deterministic: bool) -> None:
+        """Read every server's release and launch settings (sglang_versions.server_facts)."""
+        facts = server_facts([(url, self._server_info(url)) for url in self.urls],
+                             require_deterministic=require_deterministic)
+        self.sglang_version, self.features = facts.version, facts.features
+        self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
+        self._spec = spec_fields(self.features)
+        self._warned_unseeded = False
+        if self._context_length is None:
+            logger.info("SGLang servers report no context_length (launched without --context-length): "
+                        "prompts that do not fit are not refused before sending")
+
+    def _server_info(self, url: str) -> dict:
+        """/server_info (0.5.8+), else the deprecated /get_server_info (which releases before 0.5.8 had)."""
+        last = ""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                r = self._session().get(url + path, timeout=(self.connect_timeout_s, self.control_timeout_s))
+            except requests.RequestException as e:
+                raise EngineRequestError(f"{url}{path}: cannot connect to the SGLang server ({e})") from e
+            if r.status_code == 404:
+                last = f"{path}: HTTP 404"
+                continue
+            if r.status_code != 200:
+                raise EngineRequestError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            try:
+                info = r.json()
+            except ValueError as e:
+                raise EngineReplyError(f"{url}{path}: reply is not JSON ({e})") from e
+            if not isinstance(info, dict):
+                raise EngineReplyError(f"{url}{path}: expected a JSON object, got {type(info).__name__}")
+            return info
+        raise UnsupportedSGLangVersion(f"{url}: no /server_info nor /get_server_info ({last}); not an SGLang server?")
 
     # ----------------------------------------------------------------------------- generation
 
     @property
     def max_sequence_length(self) -> int | None:
-        """The servers' context length (SGLang's /get_server_info `context_length`), read once; None if
-        the servers do not report one."""
-        if not hasattr(self, "_context_length"):
-            info = {}
-            try:
-                info = self._session().get(self.urls[0] + "/get_server_info", timeout=self.control_timeout_s).json()
-            except Exception:  # noqa: BLE001 - an old server without the endpoint: no check
-                info = {}
-            value = info.get("context_length") if isinstance(info, dict) else None
-            self._context_length = int(value) if isinstance(value, int) and value > 0 else None
+        """The servers' context length (their --context-length, from /server_info at connect; the
+        smallest over servers); None when they were launched without one."""
         return self._context_length
 
     def _check_context(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> None:
@@ -290,6 +209,11 @@ class SGLangEngine(RolloutEngine):
             raise RolloutEngineError("SGLangEngine is closed")
         check_generate_inputs(prompts, sampling)
         self._check_context(prompts, sampling)
+        if sampling.seed is not None and not self.seeds_honoured and not self._warned_unseeded:
+            self._warned_unseeded = True
+            logger.warning("SGLang servers run without --enable-deterministic-inference: sampling seeds are not "
+                           "sent (SGLang would ignore them) and rollouts are not reproducible; "
+                           "rollout.deterministic_inference=true launches the servers with it")
         items = [(p, j) for p in prompts for j in range(sampling.n)]
         batches = [items[i : i + self.max_batch_size] for i in range(0, len(items), self.max_batch_size)]
         aborted = self._abort_event
@@ -320,8 +244,8 @@ class SGLangEngine(RolloutEngine):
         rids = [f"{batch_id}-{i}" for i in range(len(batch))]
         reply, url = None, None
         if not (aborted.is_set() or failed.is_set()):
-            payload = build_generate_payload(batch, sampling, rids)
-            reply, url = self._post_generate(payload, batch_id, aborted, failed)
+            payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured)
+            reply, url, rids = self._post_generate(payload, batch_id, aborted, failed)
         if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
             return [self._sample(p, j, ParsedOutput((), (), "abort", {}), version) for p, j in batch]
         if not isinstance(reply, list) or len(reply) != len(batch):
@@ -338,6 +262,7 @@ class SGLangEngine(RolloutEngine):
                     item,
                     request=f"{url}/generate rid={rid} (prompt_id={p.prompt_id!r}, sample_index={j})",
                     max_new_tokens=limit,
+                    spec=self._spec,
                 ),
                 version,
             )
@@ -359,16 +284,22 @@ class SGLangEngine(RolloutEngine):
 
     def _post_generate(
         self, payload: dict, batch_id: str, aborted: threading.Event, failed: threading.Event
-    ) -> tuple[Any, str | None]:
-        """POST /generate with retries; (None, None) when aborted first."""
+    ) -> tuple[Any, str | None, list[str]]:
+        """POST /generate with retries: (reply, url, the rids of the answered attempt); (None, None, rids)
+        when aborted first. A timed-out attempt's rids are aborted on its server before the retry,
+        which carries fresh rids."""
+        base_rids = list(payload["rid"])
+        rids = base_rids
         last_error, last_url, timed_out = "", None, False
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
                 if aborted.wait(delay) or failed.is_set():
-                    return None, None
+                    return None, None, rids
+                rids = [f"{r}.retry{attempt}" for r in base_rids]
+                payload = {**payload, "rid": rids}
             if aborted.is_set() or failed.is_set():
-                return None, None
+                return None, None, rids
             url = self._acquire_url()
             last_url = url
             try:
@@ -377,6 +308,7 @@ class SGLangEngine(RolloutEngine):
                 )
             except requests.Timeout as e:
                 last_error, timed_out = f"timed out after {self.request_timeout_s:g} s ({e})", True
+                self._abort_rids(url, rids)
                 continue
             except requests.ConnectionError as e:
                 last_error, timed_out = f"connection error: {e}", False
@@ -388,20 +320,29 @@ class SGLangEngine(RolloutEngine):
                 continue
             if r.status_code != 200:
                 if aborted.is_set():
-                    return None, None
+                    return None, None, rids
                 raise EngineRequestError(
                     f"{url}/generate batch {batch_id}: HTTP {r.status_code}: {r.text[:500]}"
                 )
             try:
-                return r.json(), url
+                return r.json(), url, rids
             except ValueError as e:
                 raise EngineReplyError(f"{url}/generate batch {batch_id}: reply is not JSON ({e})") from e
         if aborted.is_set():
-            return None, None
+            return None, None, rids
         cls = EngineTimeoutError if timed_out else EngineRequestError
         raise cls(
             f"{last_url}/generate batch {batch_id} failed after {self.max_retries + 1} attempts: {last_error}"
         )
+
+    def _abort_rids(self, url: str, rids: Sequence[str]) -> None:
+        """Abort each rid of a timed-out request (SGLang aborts by exact rid), so the server stops
+        generating what nobody will read; a failure is logged (the server may be gone)."""
+        for rid in rids:
+            err = self._post_control(url, "/abort_request", {"rid": rid}, self.connect_timeout_s)
+            if err is not None:
+                logger.warning("abort of timed-out request %s at %s failed: %s", rid, url, err)
+                return
 
     def _acquire_url(self) -> str:
         with self._slot_free:
@@ -456,7 +397,7 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/flush_cache", None)
 
     def health(self, *, deep: bool = False) -> dict[str, Any]:
-        """Per server: /health (or /health_generate when deep, which runs one generation) and /get_model_info."""
+        """Per server: /health (or /health_generate when deep, which runs one generation) and its model info."""
         servers = []
         for url in self.urls:
             entry: dict[str, Any] = {"url": url, "healthy": False}
@@ -468,7 +409,7 @@ class SGLangEngine(RolloutEngine):
                 if r.status_code != 200:
                     entry["error"] = f"HTTP {r.status_code}"
                 else:
-                    info = self._session().get(url + "/get_model_info", timeout=self.control_timeout_s)
+                    info = self._session().get(url + self.features.model_info_path, timeout=self.control_timeout_s)
                     entry["model_info"] = info.json() if info.status_code == 200 else None
             except (requests.RequestException, ValueError) as e:
                 entry["error"] = f"{type(e).__name__}: {e}"
@@ -513,6 +454,54 @@ class SGLangEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- weights
 
+    @contextlib.contextmanager
+    def weight_update_session(self, selector: str = "all") -> Iterator[None]:
+        """Open a weight-update session on every server for the block (SGLang 0.5.21+ refuses
+        distributed and tensor updates outside one); a no-op on earlier releases and inside an open
+        session. `selector`: "all", "target" or "draft" (the speculative drafter's runner); the
+        updates posted inside carry it."""
+        if selector not in SELECTORS:
+            raise ValueError(f"weight_update_session selector must be one of {SELECTORS}, got {selector!r}")
+        if self._weight_session is not None:
+            if selector != self._weight_session:
+                raise RolloutEngineError(f"a weight-update session with selector {self._weight_session!r} is "
+                                         f"already open; cannot nest one with selector {selector!r}")
+            yield
+            return
+        if not self.features.weight_update_session:
+            yield
+            return
+        opened = self._post_all("/begin_weight_update", {"selector": selector}, check=False)
+        failed = [f"{u}/begin_weight_update: {e}" for u, e in opened if e is not None]
+        if failed:  # close the ones that did open, so the next begin is not refused as "already open"
+            for url, err in opened:
+                if err is None:
+                    self._post_control(url, "/end_weight_update", {}, self.control_timeout_s)
+            raise EngineRequestError("; ".join(failed))
+        self._weight_session = selector
+        try:
+            yield
+        finally:
+            self._weight_session = None
+            for url, err in self._post_all("/end_weight_update", {}, check=False):
+                if err is not None:
+                    logger.error("%s/end_weight_update failed: %s", url, err)
+
+    @contextlib.contextmanager
+    def _updating(self) -> Iterator[None]:
+        """The session an update runs in: this engine's open one, else a new one when it opens its own."""
+        if self._weight_session is not None or not self._open_weight_sessions:
+            yield
+        else:
+            with self.weight_update_session():
+                yield
+
+    def _post_update(self, path: str, bodies: list, **kw):
+        """POST update bodies, with the open session's selector on releases that have the field."""
+        if self.features.update_selector and self._weight_session is not None:
+            bodies = [{**b, "selector": self._weight_session} for b in bodies]
+        return self._post_bodies(path, bodies, **kw)
+
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -552,14 +541,15 @@ class SGLangEngine(RolloutEngine):
     ) -> int:
         """Colocated sync (servers on the trainer's node open its tensors); returns the bucket count.
         To send per-rank shards gathered by the caller, use `post_serialized_bucket`."""
-        n = sw.send_tensor_buckets(
-            named_tensors,
-            bucket_mb=bucket_mb,
-            tp_size=self.tp_size,
-            num_servers=len(self.urls),
-            weight_version=str(policy_version),
-            post=self._post_bodies,
-        )
+        with self._updating():
+            n = sw.send_tensor_buckets(
+                named_tensors,
+                bucket_mb=bucket_mb,
+                tp_size=self.tp_size,
+                num_servers=len(self.urls),
+                weight_version=str(policy_version),
+                post=self._post_update,
+            )
         self._policy_version = policy_version
         return n
 
@@ -575,7 +565,8 @@ class SGLangEngine(RolloutEngine):
         body = sw.tensor_update_payload(
             serialized_per_rank, flush_cache=flush_cache, weight_version=weight_version
         )
-        self._post_all("/update_weights_from_tensor", body)
+        with self._updating():
+            self._post_update("/update_weights_from_tensor", [body] * len(self.urls))
 
     def init_weights_update_group(
         self,
@@ -607,15 +598,16 @@ class SGLangEngine(RolloutEngine):
         """Disaggregated sync over the weight-update group; returns the bucket count."""
         if self._weight_group is None:
             raise RolloutEngineError("update_weights_from_distributed needs init_weights_update_group first")
-        n = sw.send_distributed_buckets(
-            named_tensors,
-            bucket_mb=bucket_mb,
-            group=self._weight_group,
-            group_name=self._weight_group_name,
-            num_servers=len(self.urls),
-            weight_version=str(policy_version),
-            post=self._post_bodies,
-        )
+        with self._updating():
+            n = sw.send_distributed_buckets(
+                named_tensors,
+                bucket_mb=bucket_mb,
+                group=self._weight_group,
+                group_name=self._weight_group_name,
+                num_servers=len(self.urls),
+                weight_version=str(policy_version),
+                post=self._post_update,
+            )
         self._policy_version = policy_version
         return n
 

@@ -1,11 +1,15 @@
 """Launching SGLang servers: the command line, the process with its log file, and the health wait.
 
 A server is `python -m sglang.launch_server` with SGLang's documented flags (`--model-path`,
-`--host`, `--port`, `--tp-size`, `--mem-fraction-static`, `--dtype`, and for MTP models
-`--speculative-algorithm EAGLE|NEXTN`, `--speculative-num-steps`, `--speculative-eagle-topk`,
-`--speculative-num-draft-tokens`). Servers bind to loopback unless a cluster-internal address is
-given. `--enable-memory-saver` is required for /release_memory_occupation (colocation) and
-`--enable-deterministic-inference` for SGLang to honour per-request `sampling_seed`.
+`--host`, `--port`, `--tp-size`, `--mem-fraction-static`, `--dtype`, `--context-length`, and for MTP
+models `--speculative-algorithm EAGLE|NEXTN`, `--speculative-num-steps`, `--speculative-eagle-topk`,
+`--speculative-num-draft-tokens`), every one present in each supported release (sglang_versions;
+tests launch the stand-in of each release with these commands, whose parser is that release's).
+Servers bind to loopback unless a cluster-internal address is given. `--enable-memory-saver` is
+required for /release_memory_occupation (colocation) and `--enable-deterministic-inference` for
+SGLang to honour per-request `sampling_seed`. `--context-length` is what the server reports in
+/server_info; the client refuses prompts that cannot fit it before sending them (without it SGLang
+reports None and only refuses an input of the model's whole context, cutting max_new_tokens).
 
 Nothing here imports sglang: the server runs in its own process.
 """
@@ -42,7 +46,10 @@ class SGLangServerSpec:
     enable_memory_saver: bool = False
     """Needed by /release_memory_occupation and /resume_memory_occupation (colocation)."""
     deterministic_inference: bool = False
-    """SGLang honours sampling_seed only with --enable-deterministic-inference."""
+    """SGLang honours sampling_seed only with --enable-deterministic-inference (batch-invariant kernels,
+    the pytorch sampling backend, a deterministic attention backend: slower decoding)."""
+    context_length: int | None = None
+    """--context-length: the longest prompt + response the server accepts (None: the model's)."""
     speculative_algorithm: str | None = None
     """None (off), "EAGLE" or "NEXTN" (MTP layers as the drafter)."""
     speculative_num_steps: int = 3
@@ -70,6 +77,12 @@ class SGLangServerSpec:
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(
                 f"SGLangServerSpec.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}"
+            )
+        if self.context_length is not None and (
+            not isinstance(self.context_length, int) or isinstance(self.context_length, bool) or self.context_length < 2
+        ):
+            raise ValueError(
+                f"SGLangServerSpec.context_length must be an int >= 2 or None, got {self.context_length!r}"
             )
         if self.base_gpu_id is not None and (not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0):
             raise ValueError(
@@ -112,6 +125,8 @@ def build_launch_command(
         "--dtype",
         spec.dtype,
     ]
+    if spec.context_length is not None:
+        cmd += ["--context-length", str(spec.context_length)]
     if spec.base_gpu_id is not None:
         cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
     if spec.enable_memory_saver:

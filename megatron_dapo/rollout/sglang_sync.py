@@ -213,9 +213,13 @@ class SGLangWeightSync:
     def setup(self) -> None:
         pgs = self.pgs
         if self.transport == "distributed":
+            # A name of its own per trainer start: servers that outlive a crashed run still hold its groups.
+            token = [os.urandom(4).hex()]
+            if pgs.world_size > 1:
+                dist.broadcast_object_list(token, src=0, group=pgs.ctrl)
             for stage in range(pgs.pp_size):  # in turn: a server joins one group at a time
                 if pgs.pp_rank == stage and self.sender:
-                    name = f"{self.group_prefix}_pp{stage}"
+                    name = f"{self.group_prefix}_{token[0]}_pp{stage}"
                     self._group, self._store = _open_group(self.servers, host=self.host, group_name=name,
                                                            backend=self.backend, timeout_s=self.timeout_s)
                     self._group_name = name
@@ -378,10 +382,17 @@ class SGLangWeightSync:
         return stage * (self.pgs.world_size // self.pgs.pp_size)
 
     def close(self) -> None:
+        """Leave the weight-update group (servers first, then this side); idempotent."""
         if self._group is not None:
             try:
                 post_all(self.servers.urls, "/destroy_weights_update_group",
                          [{"group_name": self._group_name}] * len(self.servers.urls), timeout_s=30.0)
             except WeightSyncError as e:
                 log.warning("closing the weight-update group: %s", e)
-            self._group = None
+            # The group was built outside torch's world registry (as the servers build theirs), so
+            # destroy_process_group does not know it: shut the backend down directly.
+            try:
+                self._group.shutdown()
+            except (AttributeError, RuntimeError) as e:
+                log.debug("shutting down %s: %s", self._group_name, e)
+            self._group = self._store = None

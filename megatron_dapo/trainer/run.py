@@ -55,7 +55,8 @@ def _sglang_engine(cfg: Config, pgs):
         servers = [] if r.sglang_urls else _launch_sglang(cfg)
         urls = list(r.sglang_urls) or [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
         engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
-                              max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size)
+                              max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
+                              require_deterministic=r.deterministic_inference)
     return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, group=pgs.ctrl, servers=servers)
 
 
@@ -81,7 +82,8 @@ def _launch_sglang(cfg: Config) -> list:
         tp_size=r.tensor_model_parallel_size, base_gpu_id=i * r.tensor_model_parallel_size,
         mem_fraction_static=r.gpu_memory_utilization,
         dtype="bfloat16" if cfg.model.params_dtype == "bf16" else "float32",
-        enable_memory_saver=r.mode == "colocate",
+        enable_memory_saver=r.mode == "colocate", deterministic_inference=r.deterministic_inference,
+        context_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
         speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
         for i in range(n)]
@@ -317,6 +319,9 @@ def run(cfg: Config) -> int:
         val = trainer.fit()
     finally:
         parts.reward_manager.close()
+        sync = getattr(parts.sync_weights, "sync", None)  # SGLang weight-update groups
+        if sync is not None:
+            sync.close()
         parts.engine.close()
         if parts.logger is not None:
             parts.logger.close()

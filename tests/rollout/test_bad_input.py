@@ -92,14 +92,17 @@ def test_token_outside_the_vocabulary_fails_before_any_forward(engine_and_forwar
     assert forwards == []
 
 
-def test_sglang_engine_refuses_a_prompt_longer_than_the_server_context_before_sending():
-    from megatron_dapo.rollout.base import PromptInput, SamplingParams
+def test_sglang_engine_refuses_a_prompt_longer_than_the_server_context_before_sending(tmp_path):
+    """Issue #15 item 1: the server reports its --context-length in /server_info; the engine refuses a
+    prompt + max_new_tokens beyond it before any request (SGLang would only cut max_new_tokens)."""
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from tests.rollout.sglang_protocol_server import ProtocolServer, ProtocolState
+    from tests.standin import StandinServer
 
-    with ProtocolServer(state=ProtocolState(server_args={"context_length": 16})) as server:
+    with StandinServer(toy=True, args=["--context-length", "16"], log_dir=tmp_path) as server:
         with SGLangEngine([server.url]) as engine:
             assert engine.max_sequence_length == 16
             with pytest.raises(ValueError, match=r"prompt 'p': 12 prompt tokens \+ max_new_tokens=8 = 20 > .*=16"):
                 engine.generate([PromptInput("p", tuple(range(1, 13)))], SamplingParams(max_new_tokens=8))
-            assert server.state.bodies("/generate") == []
+            assert server.requests("/generate") == []
+            fits = engine.generate([PromptInput("q", tuple(range(1, 9)))], SamplingParams(max_new_tokens=8))
+            assert len(fits[0].response_token_ids) == 8

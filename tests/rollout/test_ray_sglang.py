@@ -1,8 +1,6 @@
 """SGLang servers placed on a Ray cluster (one actor and bundle per server) report reachable URLs and
-serve generation; the protocol-faithful server script stands in for `python -m sglang.launch_server`."""
-
-import pathlib
-import sys
+serve generation; the SGLang stand-in (tests/standin, its own process) stands in for
+`python -m sglang.launch_server`."""
 
 import pytest
 
@@ -12,17 +10,17 @@ from megatron_dapo.rollout.base import PromptInput, SamplingParams  # noqa: E402
 from megatron_dapo.rollout.ray_sglang import place_sglang_servers  # noqa: E402
 from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from megatron_dapo.rollout.sglang_server import SGLangServerSpec  # noqa: E402
-
-SERVER = pathlib.Path(__file__).resolve().parent / "sglang_protocol_server.py"
+from tests.standin import LAUNCHER  # noqa: E402
 
 
 @pytest.mark.multiproc
 def test_servers_placed_by_ray_answer_generation_and_stop(tmp_path, unused_port_pair):
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
-        specs = [SGLangServerSpec(model_path="toy", host="127.0.0.1", port=p, tp_size=1) for p in unused_port_pair]
-        placed = place_sglang_servers(specs, log_dir=str(tmp_path), timeout_s=120,
-                                      launcher=[sys.executable, str(SERVER)], use_gpu=True)
+        specs = [SGLangServerSpec(model_path="toy", host="127.0.0.1", port=p, tp_size=1,
+                                  extra_args=("--toy", "--max-lifetime-s", "120")) for p in unused_port_pair]
+        placed = place_sglang_servers(specs, log_dir=str(tmp_path), timeout_s=120, launcher=list(LAUNCHER),
+                                      use_gpu=True)
         assert sorted(placed.urls) == sorted(f"http://127.0.0.1:{p}" for p in unused_port_pair)
         with SGLangEngine(placed.urls) as engine:
             samples = engine.generate([PromptInput("a", (1, 2, 3)), PromptInput("b", (4, 5))],

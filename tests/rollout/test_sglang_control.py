@@ -1,65 +1,141 @@
-"""SGLangEngine control calls: memory release/resume, cache flush, health, abort with a server down."""
+"""SGLangEngine control calls against the SGLang stand-in (its own process, SGLang 0.5.23's protocol):
+memory release/resume, cache flush, health, abort with a server down, a closed engine."""
+
+import threading
+import time
 
 import pytest
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
 from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
+from tests.standin import StandinServer
 
-from .sglang_protocol_server import ProtocolServer
+SAVER = ["--enable-memory-saver", "--enable-deterministic-inference"]
 
 
-def test_release_and_resume_memory_reach_every_server_with_tags():
-    with ProtocolServer() as a, ProtocolServer() as b, SGLangEngine([a.url, b.url]) as eng:
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("standin")
+    with StandinServer(toy=True, args=SAVER, log_dir=log_dir) as a, \
+            StandinServer(toy=True, args=SAVER, log_dir=log_dir) as b:
+        yield a, b
+
+
+@pytest.fixture
+def servers(pair):
+    for s in pair:
+        s.reset()
+    return pair
+
+
+def test_release_and_resume_memory_reach_every_server_with_tags(servers):
+    a, b = servers
+    with SGLangEngine([a.url, b.url]) as eng:
         eng.release_memory()
-        assert a.state.released and b.state.released
+        assert a.stats()["released"] == ["cuda_graph", "kv_cache", "weights"] == b.stats()["released"]
+        # generating while released is refused, naming what is released (the stand-in's check)
+        with pytest.raises(EngineRequestError, match=r"HTTP 400: .*\['cuda_graph', 'kv_cache', 'weights'\] are released"):
+            eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=2))
         eng.resume_memory(tags=["weights"])
-        assert not a.state.released and not b.state.released
+        assert a.stats()["released"] == ["cuda_graph", "kv_cache"]
+        eng.resume_memory(tags=["kv_cache", "cuda_graph"])
+        assert a.stats()["released"] == [] == b.stats()["released"]
+        assert eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
         for s in (a, b):
-            assert s.state.bodies("/release_memory_occupation") == [{"tags": None}]
-            assert s.state.bodies("/resume_memory_occupation") == [{"tags": ["weights"]}]
+            assert s.requests("/release_memory_occupation") == [{"tags": None}]
+            assert s.requests("/resume_memory_occupation") == [{"tags": ["weights"]}, {"tags": ["kv_cache", "cuda_graph"]}]
         eng.flush_cache()
-        assert a.state.paths().count("/flush_cache") == 1 and b.state.paths().count("/flush_cache") == 1
+        assert a.paths().count("/flush_cache") == 1 and b.paths().count("/flush_cache") == 1
 
 
-def test_a_control_call_fails_loudly_naming_the_unreachable_server():
-    with ProtocolServer() as dead:
-        dead_url = dead.url
-    with ProtocolServer() as live, SGLangEngine([live.url, dead_url], connect_timeout_s=1.0) as eng:
-        with pytest.raises(
-            EngineRequestError, match=rf"{dead_url}/release_memory_occupation: ConnectionError"
-        ):
+def test_flush_cache_is_refused_while_a_request_runs(servers):
+    a, _ = servers
+    a.knobs(token_delay_s=0.05)
+    with SGLangEngine([a.url]) as eng:
+        t = threading.Thread(target=eng.generate, args=([PromptInput("p", (1,))], SamplingParams(max_new_tokens=40)))
+        t.start()
+        try:
+            deadline = time.monotonic() + 5
+            while a.stats()["generate_inflight"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(EngineRequestError, match=r"/flush_cache: HTTP 400: Flush cache failed"):
+                eng.flush_cache()
+        finally:
+            eng.abort()
+            t.join(timeout=10)
+
+
+def test_releasing_memory_while_generating_kills_the_server_as_sglang_does(tmp_path):
+    """SGLang asserts the scheduler is idle in release_memory_occupation: the server dies."""
+    with StandinServer(toy=True, args=SAVER, log_dir=tmp_path) as s, SGLangEngine([s.url], max_retries=0) as eng:
+        s.knobs(token_delay_s=0.05)
+        outcome = []
+
+        def run():
+            try:
+                eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=40))
+            except EngineRequestError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        while s.stats()["generate_inflight"] == 0:
+            time.sleep(0.01)
+        with pytest.raises(EngineRequestError, match="release_memory_occupation"):
             eng.release_memory()
-        assert live.state.released  # the live server still got the call
+        assert s.wait_exit() == 1
+        assert "release_memory_occupation should be called only when server is idle" in s.log_tail()
+        t.join(timeout=10)
+        assert len(outcome) == 1  # the generation in flight lost its server too
 
 
-def test_health_reports_each_server_model_info_and_the_policy_version():
-    with ProtocolServer() as a, SGLangEngine([a.url], policy_version=4) as eng:
+def test_a_control_call_fails_loudly_naming_the_unreachable_server(servers, tmp_path):
+    live = servers[0]
+    doomed = StandinServer(toy=True, args=SAVER, log_dir=tmp_path).start()
+    with SGLangEngine([live.url, doomed.url], connect_timeout_s=1.0) as eng:
+        doomed.kill()
+        with pytest.raises(EngineRequestError, match=rf"{doomed.url}/release_memory_occupation: ConnectionError"):
+            eng.release_memory()
+        assert live.stats()["released"]  # the live server still got the call
+    with SGLangEngine([live.url]) as eng:
+        eng.resume_memory()  # leave the shared server usable
+
+
+def test_health_reports_each_server_model_info_and_the_policy_version(servers, tmp_path):
+    a, _ = servers
+    with SGLangEngine([a.url], policy_version=4) as eng:
         h = eng.health()
         assert h["healthy"] is True and h["policy_version"] == 4
-        assert h["servers"][0]["model_info"]["model_path"] == "toy-model"
+        assert h["servers"][0]["model_info"]["model_path"] == "toy"
         assert eng.health(deep=True)["healthy"] is True
-        assert a.state.paths().count("/health") == 1 and a.state.paths().count("/health_generate") == 1
-    with ProtocolServer() as dead:
-        dead_url = dead.url
-    with SGLangEngine([dead_url], connect_timeout_s=1.0, control_timeout_s=1.0) as eng:
+        assert a.paths().count("/health") == 1 and a.paths().count("/health_generate") == 1
+        assert a.paths().count("/model_info") == 2 and "/get_model_info" not in a.paths()  # not the deprecated one
+    doomed = StandinServer(toy=True, args=SAVER, log_dir=tmp_path).start()
+    with SGLangEngine([doomed.url], connect_timeout_s=1.0, control_timeout_s=1.0) as eng:
+        doomed.kill()
         h = eng.health()
         assert h["healthy"] is False and "ConnectionError" in h["servers"][0]["error"]
 
 
-def test_abort_with_a_server_down_still_aborts_the_rest_and_returns():
-    with ProtocolServer() as dead:
-        dead_url = dead.url
-    with ProtocolServer() as live, SGLangEngine([live.url, dead_url], connect_timeout_s=1.0) as eng:
+def test_abort_with_a_server_down_still_aborts_the_rest_and_returns(servers, tmp_path):
+    live = servers[0]
+    doomed = StandinServer(toy=True, args=SAVER, log_dir=tmp_path).start()
+    with SGLangEngine([live.url, doomed.url], connect_timeout_s=1.0) as eng:
+        doomed.kill()
         eng.abort()  # logs the failure, raises nothing
-        assert live.state.bodies("/abort_request") == [{"abort_all": True}]
+        assert live.requests("/abort_request") == [{"abort_all": True}]
         s = eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=2, seed=0))
         assert s[0].finish_reason == "length"  # unaffected by the earlier abort
 
 
-def test_a_closed_engine_refuses_to_generate():
-    with ProtocolServer() as a:
-        eng = SGLangEngine([a.url])
-        eng.close()
-        eng.close()  # idempotent
-        with pytest.raises(RuntimeError, match="closed"):
-            eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=2))
+def test_a_closed_engine_refuses_to_generate(servers):
+    eng = SGLangEngine([servers[0].url])
+    eng.close()
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=2))
+
+
+def test_an_unreachable_server_is_an_error_at_connect():
+    with pytest.raises(EngineRequestError, match=r"127\.0\.0\.1:9/server_info: cannot connect"):
+        SGLangEngine(["http://127.0.0.1:9"], connect_timeout_s=1.0)

@@ -1,4 +1,5 @@
-"""SGLangEngine generation against the protocol server (a real HTTP server on 127.0.0.1)."""
+"""SGLangEngine generation against the SGLang stand-in (tests/standin: its own process, speaking
+SGLang 0.5.23's HTTP protocol, with the toy model so each output is known exactly)."""
 
 import threading
 import time
@@ -13,16 +14,25 @@ from megatron_dapo.rollout.sglang_engine import (
     SGLangEngine,
     parse_generate_output,
 )
-
-from .sglang_protocol_server import ProtocolServer, toy_continuation
+from tests.standin import StandinServer, toy_continuation
 
 PROMPTS = [PromptInput("p0", (3, 1, 4)), PromptInput("p1", (1, 5, 9, 2))]
+SEEDED = ["--enable-deterministic-inference"]  # the toy honours sampling_seed only then, as SGLang
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("standin")
+    with StandinServer(toy=True, args=SEEDED, log_dir=log_dir) as a, \
+            StandinServer(toy=True, args=SEEDED, log_dir=log_dir) as b:
+        yield a, b
 
 
 @pytest.fixture
-def server():
-    with ProtocolServer(max_lifetime_s=60) as s:
-        yield s
+def server(servers):
+    servers[0].reset()
+    yield servers[0]
+    assert servers[0].ignored_fields() == {}  # the engine sends no field 0.5.23 lacks
 
 
 def _engine(urls, **kw):
@@ -32,12 +42,8 @@ def _engine(urls, **kw):
 
 
 def _expected(prompt, j, seed, max_new, stop=()):
-    return toy_continuation(
-        prompt.token_ids,
-        seed=derive_sample_seed(seed, prompt.prompt_id, j),
-        max_new_tokens=max_new,
-        stop_token_ids=stop,
-    )
+    return toy_continuation(prompt.token_ids, seed=derive_sample_seed(seed, prompt.prompt_id, j),
+                            max_new_tokens=max_new, stop_token_ids=stop)
 
 
 def _wait_until(pred, timeout_s=5.0):
@@ -52,6 +58,7 @@ def _wait_until(pred, timeout_s=5.0):
 def test_generate_returns_each_samples_tokens_and_logprobs_in_prompt_major_order(server):
     sp = SamplingParams(max_new_tokens=6, n=3, seed=11, temperature=0.7, top_p=0.9, top_k=20)
     with _engine(server.url, max_batch_size=4, policy_version=5) as eng:
+        assert eng.sglang_version == "0.5.23" and eng.seeds_honoured
         samples = eng.generate(PROMPTS, sp)
     check_generate_output(PROMPTS, sp, samples)
     for s in samples:
@@ -63,18 +70,13 @@ def test_generate_returns_each_samples_tokens_and_logprobs_in_prompt_major_order
         assert (s.finish_reason, s.policy_version, s.meta) == ("length", 5, {})
     # samples of one prompt differ: each carries its own sampling_seed
     assert len({s.response_token_ids for s in samples[:3]}) == 3
-    bodies = sorted(server.state.bodies("/generate"), key=lambda b: b["rid"][0])  # arrival order varies
+    bodies = sorted(server.requests("/generate"), key=lambda b: b["rid"][0])  # arrival order varies
     assert [len(b["input_ids"]) for b in bodies] == [4, 2]  # 6 items in batches of <= 4
     first = bodies[0]
     assert first["input_ids"] == [[3, 1, 4]] * 3 + [[1, 5, 9, 2]]
     assert first["return_logprob"] is True and first["logprob_start_len"] == -1 and first["stream"] is False
-    assert first["sampling_params"][0] == {
-        "max_new_tokens": 6,
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "top_k": 20,
-        "sampling_seed": derive_sample_seed(11, "p0", 0),
-    }
+    assert first["sampling_params"][0] == {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+                                           "sampling_seed": derive_sample_seed(11, "p0", 0)}
     assert len(set(first["rid"])) == 4
 
 
@@ -87,159 +89,161 @@ def test_stop_token_ends_a_sample_with_stop_and_is_kept_while_others_hit_length(
     assert s.response_token_ids == tuple(free[: k + 1])
     assert s.finish_reason == "stop"
     assert len(s.rollout_log_probs) == k + 1
-    assert server.state.bodies("/generate")[0]["sampling_params"][0]["stop_token_ids"] == [free[k]]
+    assert server.requests("/generate")[0]["sampling_params"][0]["stop_token_ids"] == [free[k]]
 
 
 def test_concurrency_per_server_never_exceeds_the_limit(server):
-    server.state.delay_s = 0.1
+    server.knobs(delay_s=0.1)
     sp = SamplingParams(max_new_tokens=2, n=2, seed=0)
     prompts = [PromptInput(f"q{i}", (i + 1,)) for i in range(6)]
     with _engine(server.url, max_concurrency=2, max_batch_size=2) as eng:
         samples = eng.generate(prompts, sp)
     assert len(samples) == 12
-    assert len(server.state.bodies("/generate")) == 6
-    assert server.state.generate_max_inflight == 2  # reached, never exceeded
+    assert len(server.requests("/generate")) == 6
+    assert server.stats()["generate_max_inflight"] == 2  # reached, never exceeded
 
 
-def test_requests_spread_over_servers_each_within_its_limit():
-    with ProtocolServer() as a, ProtocolServer() as b:
-        a.state.delay_s = b.state.delay_s = 0.1
-        prompts = [PromptInput(f"q{i}", (i + 1,)) for i in range(4)]
-        with _engine([a.url, b.url], max_concurrency=1, max_batch_size=1) as eng:
-            eng.generate(prompts, SamplingParams(max_new_tokens=2, seed=1))
-        assert len(a.state.bodies("/generate")) == 2 and len(b.state.bodies("/generate")) == 2
-        assert a.state.generate_max_inflight == 1 and b.state.generate_max_inflight == 1
+def test_requests_spread_over_servers_each_within_its_limit(servers):
+    a, b = servers
+    for s in servers:
+        s.reset()
+        s.knobs(delay_s=0.1)
+    prompts = [PromptInput(f"q{i}", (i + 1,)) for i in range(4)]
+    with _engine([a.url, b.url], max_concurrency=1, max_batch_size=1) as eng:
+        eng.generate(prompts, SamplingParams(max_new_tokens=2, seed=1))
+    assert len(a.requests("/generate")) == 2 and len(b.requests("/generate")) == 2
+    assert a.stats()["generate_max_inflight"] == 1 and b.stats()["generate_max_inflight"] == 1
 
 
 def test_transient_503s_are_retried_then_succeed(server):
-    server.state.fail_next = 2
+    server.knobs(fail_next=2)
     with _engine(server.url, max_retries=3) as eng:
         s = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=2))[0]
     assert s.response_token_ids == tuple(_expected(PROMPTS[0], 0, 2, 3)[0])
-    assert server.state.paths().count("/generate") == 3
+    assert server.paths().count("/generate") == 3
 
 
 def test_persistent_503s_fail_after_all_retries_naming_the_status(server):
-    server.state.fail_next = 10
-    with (
-        _engine(server.url, max_retries=2) as eng,
-        pytest.raises(EngineRequestError, match=r"after 3 attempts: HTTP 503"),
-    ):
+    server.knobs(fail_next=10)
+    with (_engine(server.url, max_retries=2) as eng,
+          pytest.raises(EngineRequestError, match=r"after 3 attempts: HTTP 503")):
         eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3))
-    assert server.state.paths().count("/generate") == 3
+    assert server.paths().count("/generate") == 3
 
 
-def test_a_dead_server_fails_over_to_a_live_one(server):
-    with ProtocolServer() as dead:
-        dead_url = dead.url
-    with _engine([dead_url, server.url], max_retries=2) as eng:
-        s = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=4))[0]
-    assert s.finish_reason == "length"
-    with (
-        _engine([dead_url], max_retries=1) as eng,
-        pytest.raises(EngineRequestError, match="connection error"),
-    ):
-        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+def test_a_server_that_dies_fails_over_to_a_live_one(server, tmp_path):
+    doomed = StandinServer(toy=True, args=SEEDED, log_dir=tmp_path).start()
+    try:
+        with _engine([doomed.url, server.url], max_retries=2) as both, _engine([doomed.url], max_retries=1) as alone:
+            doomed.kill()
+            s = both.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=4))[0]
+            assert s.response_token_ids == tuple(_expected(PROMPTS[0], 0, 4, 2)[0])
+            with pytest.raises(EngineRequestError, match="connection error"):
+                alone.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    finally:
+        doomed.stop()
+
+
+def test_a_server_killed_mid_request_fails_over(servers, tmp_path):
+    doomed = StandinServer(toy=True, args=SEEDED, log_dir=tmp_path).start()
+    live = servers[1]
+    live.reset()
+    try:
+        doomed.knobs(kill_after_tokens=2)  # the kill switch: dies inside its first /generate
+        with _engine([doomed.url, live.url], max_retries=2, max_concurrency=1) as eng:
+            s = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=5, seed=6))[0]
+        assert s.response_token_ids == tuple(_expected(PROMPTS[0], 0, 6, 5)[0])
+        assert doomed.wait_exit() == 9 and live.paths().count("/generate") == 1
+    finally:
+        doomed.stop()
 
 
 def test_a_request_slower_than_the_timeout_raises_a_timeout_error(server):
-    server.state.delay_s = 3.0
-    start = time.monotonic()
-    with (
-        _engine(server.url, request_timeout_s=0.2, max_retries=0) as eng,
-        pytest.raises(EngineTimeoutError, match="timed out"),
-    ):
+    server.knobs(delay_s=3.0)
+    with (_engine(server.url, request_timeout_s=0.2, max_retries=0) as eng,
+          pytest.raises(EngineTimeoutError, match=r"failed after 1 attempts: timed out after 0\.2 s")):
         eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    assert time.monotonic() - start < 2.0
+
+
+def test_a_timed_out_request_is_aborted_on_the_server_before_the_retry(server):
+    """Issue #15 item 8: the server would keep generating the timed-out request next to its retry.
+    The engine aborts the old rids first, and the retry carries fresh ones (SGLang refuses a rid in flight)."""
+    server.knobs(token_delay_s=0.1)  # 20 tokens: 2 s, the timeout is 0.5 s
+    sp = SamplingParams(max_new_tokens=20, n=2, seed=5)
+    with (_engine(server.url, request_timeout_s=0.5, max_retries=1, max_batch_size=2) as eng,
+          pytest.raises(EngineTimeoutError, match="after 2 attempts")):
+        eng.generate(PROMPTS[:1], sp)
+    rows = server.requests()
+    generates = [b for p, b in rows if p == "/generate"]
+    first, retry = generates[0]["rid"], generates[1]["rid"]
+    assert len(generates) == 2 and not set(first) & set(retry)
+    order = [(p, b.get("rid") if isinstance(b, dict) else None) for p, b in rows]
+    retry_at = order.index(("/generate", retry))
+    aborted_before = [rid for p, rid in order[:retry_at] if p == "/abort_request"]
+    assert sorted(aborted_before) == sorted(first)  # every old rid, before the retry was sent
+    assert _wait_until(lambda: server.stats()["generate_inflight"] == 0)  # the retry's rids were aborted too
 
 
 def test_a_4xx_reply_is_not_retried(server):
-    server.state.fail_next, server.state.fail_status = 5, 400
-    with (
-        _engine(server.url, max_retries=3) as eng,
-        pytest.raises(EngineRequestError, match="HTTP 400: .*bad request"),
-    ):
+    server.knobs(fail_next=5, fail_status=400)
+    with (_engine(server.url, max_retries=3) as eng,
+          pytest.raises(EngineRequestError, match="HTTP 400: .*bad request")):
         eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    assert server.state.paths().count("/generate") == 1
+    assert server.paths().count("/generate") == 1
 
 
 def test_engine_payloads_pass_sglangs_strict_sampling_params(server):
-    # The server rejects unknown sampling keys with 400, as SGLang's SamplingParams(**params) does.
+    # 0.5.23's JSON contract rejects an unknown sampling parameter with 400 naming it.
     with _engine(server.url) as eng:
-        r = eng._session().post(
-            server.url + "/generate", json={"input_ids": [[1]], "sampling_params": [{"bogus": 1}]}
-        )
-        assert r.status_code == 400 and "bogus" in r.text
+        r = eng._session().post(server.url + "/generate", json={"input_ids": [[1]], "sampling_params": [{"bogus": 1}]})
+        assert r.status_code == 400 and "unknown field `bogus`" in r.text
         samples = eng.generate(PROMPTS, SamplingParams(max_new_tokens=2, n=2, seed=1, stop_token_ids=(5,)))
     assert len(samples) == 4
 
 
 def test_abort_returns_partial_samples_and_skips_unsent_batches(server):
-    server.state.token_delay_s = 0.05  # 40 tokens would take 2 s
+    server.knobs(token_delay_s=0.05)  # 40 tokens would take 2 s
     sp = SamplingParams(max_new_tokens=40, n=3, seed=9)
     out = {}
     with _engine(server.url, max_concurrency=1, max_batch_size=1) as eng:
         t = threading.Thread(target=lambda: out.setdefault("samples", eng.generate(PROMPTS[:1], sp)))
-        start = time.monotonic()
         t.start()
-        assert _wait_until(lambda: server.state.generate_inflight == 1)
-        time.sleep(0.2)  # a few tokens decoded
+        assert _wait_until(lambda: server.stats()["tokens_generated"] >= 3)
         eng.abort()
-        t.join(timeout=5)
-        assert not t.is_alive() and time.monotonic() - start < 1.5
+        t.join(timeout=10)
+        assert not t.is_alive()
         samples = out["samples"]
         assert [s.finish_reason for s in samples] == ["abort"] * 3
         first = samples[0]
         full_tokens, full_logps, _ = _expected(PROMPTS[0], 0, 9, 40)
-        assert 0 < len(first.response_token_ids) < 40
         n = len(first.response_token_ids)
+        assert 0 < n < 40
         assert first.response_token_ids == tuple(full_tokens[:n])
         assert first.rollout_log_probs == tuple(full_logps[:n])
         assert samples[1].response_token_ids == () and samples[2].response_token_ids == ()
-        assert server.state.paths().count("/generate") == 1  # the other two were never sent
-        assert server.state.bodies("/abort_request") == [{"abort_all": True}]
+        assert server.paths().count("/generate") == 1  # the other two were never sent
+        assert server.requests("/abort_request") == [{"abort_all": True}]
         # an abort ends only the calls in flight: the next generate runs normally
-        server.state.token_delay_s = 0.0
+        server.knobs(token_delay_s=0.0)
         again = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=9))
         assert again[0].finish_reason == "length" and len(again[0].response_token_ids) == 3
 
 
-@pytest.mark.parametrize(
-    "mode, message",
-    [
-        ("logprobs_short", r"rid=\S+ \(prompt_id='p0', sample_index=0\): output_ids \(3 tokens\) disagree"),
-        ("finish_reason", r"prompt_id='p0'.*meta_info\.finish_reason must be"),
-        (
-            "output_ids",
-            r"output_ids \(4 tokens\) disagree with meta_info\.output_token_logprobs \(3 tokens\)",
-        ),
-        ("not_list", r"/generate batch \S+: expected a list of 2 results, got dict"),
-        ("spec_negative", r"meta_info\.spec_verify_ct must be an int >= 0, got -1"),
-    ],
-)
+@pytest.mark.parametrize("mode, message", [
+    ("logprobs_short", r"rid=\S+ \(prompt_id='p0', sample_index=0\): output_ids \(3 tokens\) disagree"),
+    ("finish_reason", r"prompt_id='p0'.*meta_info\.finish_reason must be"),
+    ("output_ids", r"output_ids \(4 tokens\) disagree with meta_info\.output_token_logprobs \(3 tokens\)"),
+    ("not_list", r"/generate batch \S+: expected a list of 2 results, got dict"),
+])
 def test_a_malformed_reply_raises_naming_the_request_and_field(server, mode, message):
-    server.state.malform = mode
+    server.knobs(malform=mode)
     with _engine(server.url) as eng, pytest.raises(EngineReplyError, match=message):
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_speculative_counts_are_parsed_into_sample_meta(server, legacy):
-    server.state.spec_num_draft_tokens = 4
-    server.state.spec_legacy_names = legacy
-    with _engine(server.url) as eng:
-        samples = eng.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=0))
-    for s in samples:  # toy server: verify = ceil(5/2) = 3, accepted = 5 - 3, proposed = 3 * (4 - 1)
-        assert s.meta == {"spec_draft_tokens": 9, "spec_accepted_tokens": 2, "spec_verify_ct": 3}
-
-
 def _item(tokens, finish="length", **meta):
-    m = {
-        "finish_reason": {"type": finish},
-        "output_token_logprobs": [[-0.1, t, None] for t in tokens],
-        "completion_tokens": len(tokens),
-        **meta,
-    }
+    m = {"finish_reason": {"type": finish}, "output_token_logprobs": [[-0.1, t, None] for t in tokens],
+         "completion_tokens": len(tokens), **meta}
     return {"text": "", "output_ids": list(tokens), "meta_info": m}
 
 
@@ -262,6 +266,9 @@ def test_parse_generate_output_checks_each_field():
         parse_generate_output({"text": ""}, request="R", max_new_tokens=4)
     aborted = {"meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 0}}
     assert parse_generate_output(aborted, request="R", max_new_tokens=4).token_ids == ()
+    spec = (("spec_verify_ct", "spec_verify_ct"),)
+    with pytest.raises(EngineReplyError, match=r"meta_info\.spec_verify_ct must be an int >= 0, got -1"):
+        parse_generate_output(_item([4], spec_verify_ct=-1), request="R", max_new_tokens=4, spec=spec)
 
 
 def test_generate_validates_its_inputs(server):

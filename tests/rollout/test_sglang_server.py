@@ -1,10 +1,9 @@
 """Server launch: the SGLang command line, a real subprocess with its log, the health wait, and a real
-gloo weight broadcast from the engine to a server process that joins the weight-update group."""
+gloo weight broadcast from the engine to a server process that joins the weight-update group. The
+server is the SGLang stand-in (tests/standin), whose parser holds the emulated release's own flags."""
 
-import socket
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -20,15 +19,10 @@ from megatron_dapo.rollout.sglang_server import (
     launch_servers,
     wait_for_health,
 )
+from tests.standin import LAUNCHER, StandinServer, available_versions, expected_checksums
+from tests.standin import free_port as _free_port
 
-SERVER_SCRIPT = str(Path(__file__).with_name("sglang_protocol_server.py"))
-LAUNCHER = (sys.executable, SERVER_SCRIPT)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TOY = ("--toy", "--max-lifetime-s", "60")
 
 
 def test_launch_command_without_speculative_args():
@@ -68,6 +62,7 @@ def test_launch_command_with_mtp_speculative_args_and_colocation_flags():
         base_gpu_id=4,
         enable_memory_saver=True,
         deterministic_inference=True,
+        context_length=4096,
         extra_args=("--trust-remote-code",),
     )
     cmd = build_launch_command(spec, launcher=("sglang",))
@@ -85,6 +80,8 @@ def test_launch_command_with_mtp_speculative_args_and_colocation_flags():
         "0.85",
         "--dtype",
         "auto",
+        "--context-length",
+        "4096",
         "--base-gpu-id",
         "4",
         "--enable-memory-saver",
@@ -111,6 +108,7 @@ def test_launch_command_with_mtp_speculative_args_and_colocation_flags():
         ({"mem_fraction_static": 1.5}, "mem_fraction_static"),
         ({"port": 70000}, "port"),
         ({"model_path": ""}, "model_path"),
+        ({"context_length": 1}, "context_length"),
     ],
 )
 def test_server_spec_rejects_bad_values_naming_the_field(kwargs, field):
@@ -126,7 +124,8 @@ def test_launched_server_becomes_healthy_receives_the_flags_and_stops(tmp_path):
         mem_fraction_static=0.5,
         speculative_algorithm="EAGLE",
         speculative_num_draft_tokens=4,
-        extra_args=("--max-lifetime-s", "30"),
+        context_length=64,
+        extra_args=TOY,
     )
     proc = launch_server(
         build_launch_command(spec, launcher=LAUNCHER), url=spec.url, log_path=tmp_path / "s.log"
@@ -134,13 +133,29 @@ def test_launched_server_becomes_healthy_receives_the_flags_and_stops(tmp_path):
     try:
         waited = wait_for_health(spec.url, timeout_s=30, poll_interval_s=0.1, server=proc)
         assert waited < 30
-        info = requests.get(spec.url + "/get_server_info", timeout=5).json()
+        info = requests.get(spec.url + "/server_info", timeout=5).json()
         assert (info["model_path"], info["tp_size"], info["mem_fraction_static"]) == ("toy", 2, 0.5)
         assert (info["speculative_algorithm"], info["speculative_num_draft_tokens"]) == ("EAGLE", 4)
+        assert (info["context_length"], info["version"]) == (64, "0.5.23")
     finally:
         code = proc.stop(timeout_s=10)
     assert not proc.is_running() and code is not None
-    assert "protocol server ready" in proc.log_tail()
+    assert "The server is fired up and ready to roll!" in proc.log_tail()
+
+
+@pytest.mark.parametrize("version", available_versions())
+def test_every_flag_the_launcher_emits_exists_in_every_release_it_may_run(version):
+    """build_launch_command's flags (all options on) are flags of each release (its own parser rejects
+    any other with exit code 2), so the launch command works across the protocol assets."""
+    import json
+
+    from tests.standin.protocol import ASSETS
+
+    flags = json.loads((ASSETS / f"protocol-{version}.json").read_text())["launch_flags"]
+    spec = SGLangServerSpec(model_path="m", port=1, base_gpu_id=0, enable_memory_saver=True,
+                            deterministic_inference=True, context_length=64, speculative_algorithm="EAGLE")
+    emitted = [a for a in build_launch_command(spec, launcher=()) if a.startswith("--")]
+    assert emitted and [f for f in emitted if f not in flags] == []
 
 
 def test_wait_for_health_reports_an_exited_server_with_its_log(tmp_path):
@@ -157,50 +172,35 @@ def test_wait_for_health_times_out_on_a_silent_address():
 
 
 @pytest.mark.multiproc
-def test_distributed_update_broadcasts_every_bucket_to_a_server_process(tmp_path):
-    spec = SGLangServerSpec(
-        model_path="toy", port=_free_port(), extra_args=("--join-weight-groups", "--max-lifetime-s", "60")
-    )
-    proc = launch_server(
-        build_launch_command(spec, launcher=LAUNCHER), url=spec.url, log_path=tmp_path / "w.log"
-    )
+def test_distributed_update_broadcasts_every_bucket_to_every_server_tp_rank(tmp_path):
     g = torch.Generator().manual_seed(1)
     named = [
         ("embed", torch.randn(8, 4, generator=g)),
         ("norm", torch.randn(4, generator=g).to(torch.bfloat16)),
         ("head", torch.randn(4, 8, generator=g)),
     ]  # 128 B, 8 B, 128 B
-    try:
-        wait_for_health(spec.url, timeout_s=30, poll_interval_s=0.1, server=proc)
-        with SGLangEngine([spec.url]) as eng:
-            eng.init_weights_update_group(
-                master_address="127.0.0.1",
-                master_port=_free_port(),
-                backend="gloo",
-                group_name="test_weights",
-                timeout_s=30,
-            )
+    with StandinServer(toy=True, tp_size=2, log_dir=tmp_path) as srv:
+        with SGLangEngine([srv.url], tp_size=2) as eng:
+            eng.init_weights_update_group(master_address="127.0.0.1", master_port=_free_port(), backend="gloo",
+                                          group_name="test_weights", timeout_s=30)
             n = eng.update_weights_from_distributed(named, bucket_mb=140 / sw.MIB, policy_version=3)
             assert n == 2 and eng.policy_version == 3
-            for name, t in named:
-                got = requests.post(
-                    spec.url + "/get_weights_by_name", json={"name": name, "truncate_size": 1000}, timeout=5
-                ).json()
-                assert got == t.flatten().float().tolist(), name
+            got = requests.post(srv.url + "/get_weights_by_name", json={"name": "head", "truncate_size": 1000},
+                                timeout=5).json()
+            assert got == named[2][1].flatten().float().tolist()
+            assert srv.checksums() == [expected_checksums(named)] * 2  # both TP ranks, every tensor
             eng.destroy_weights_update_group()
-        received = requests.get(spec.url + "/_test/requests", timeout=5).json()
-    finally:
-        proc.stop(timeout_s=10)
-    assert "Traceback" not in proc.log_tail(20000)
-    bodies = {}
-    for path, body in received:
-        bodies.setdefault(path, []).append(body)
+        bodies = {}
+        for path, body in srv.requests():
+            bodies.setdefault(path, []).append(body)
+        assert srv.stats()["groups"] == [] and srv.ignored_fields() == {}
+    assert "Traceback" not in srv.log_tail(20000)
     assert bodies["/init_weights_update_group"] == [
         {
             "master_address": "127.0.0.1",
             "master_port": bodies["/init_weights_update_group"][0]["master_port"],
             "rank_offset": 1,
-            "world_size": 2,
+            "world_size": 3,
             "group_name": "test_weights",
             "backend": "gloo",
         }
@@ -209,10 +209,11 @@ def test_distributed_update_broadcasts_every_bucket_to_a_server_process(tmp_path
     assert [u["names"] for u in updates] == [["embed", "norm"], ["head"]]  # 136 B <= 140 B, then 128 B
     assert [u["dtypes"] for u in updates] == [["float32", "bfloat16"], ["float32"]]
     assert [u["shapes"] for u in updates] == [[[8, 4], [4]], [[4, 8]]]
-    assert [(u["flush_cache"], u["weight_version"], u["group_name"]) for u in updates] == [
-        (False, None, "test_weights"),
-        (True, "3", "test_weights"),
+    assert [(u["flush_cache"], u["weight_version"], u["group_name"], u["selector"]) for u in updates] == [
+        (False, None, "test_weights", "all"),
+        (True, "3", "test_weights", "all"),
     ]
+    assert bodies["/begin_weight_update"] == [{"selector": "all"}] and bodies["/end_weight_update"] == [{}]
     assert bodies["/destroy_weights_update_group"] == [{"group_name": "test_weights"}]
 
 
@@ -242,10 +243,7 @@ def test_stop_also_ends_the_processes_the_server_spawned(tmp_path):
 
 
 def test_launch_servers_starts_all_and_a_failed_start_stops_the_others(tmp_path):
-    specs = [
-        SGLangServerSpec(model_path="toy", port=_free_port(), extra_args=("--max-lifetime-s", "30"))
-        for _ in range(2)
-    ]
+    specs = [SGLangServerSpec(model_path="toy", port=_free_port(), extra_args=TOY) for _ in range(2)]
     servers = launch_servers(specs, log_dir=tmp_path, timeout_s=30, launcher=LAUNCHER)
     try:
         assert [s.url for s in servers] == [s.url for s in specs]
@@ -255,8 +253,59 @@ def test_launch_servers_starts_all_and_a_failed_start_stops_the_others(tmp_path)
         for s in servers:
             s.stop(timeout_s=10)
     # the second server gets a flag the launcher rejects: it exits, and the first is stopped too
-    bad = [specs[0], SGLangServerSpec(model_path="toy", port=_free_port(), extra_args=("--no-such-flag",))]
+    bad = [specs[0], SGLangServerSpec(model_path="toy", port=_free_port(), extra_args=(*TOY, "--no-such-flag"))]
     with pytest.raises(ServerStartError, match="exited with code 2"):
         launch_servers(bad, log_dir=tmp_path / "bad", timeout_s=30, launcher=LAUNCHER)
     with pytest.raises(requests.ConnectionError):
         requests.get(specs[0].url + "/health", timeout=2)
+
+
+def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_inference(monkeypatch, tmp_path):
+    """rollout.deterministic_inference and the data limits reach every server's command line (issue #15
+    items 1 and 2), and the engine is told to insist on seeded servers."""
+    import pathlib
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.rollout import sglang_server
+    from megatron_dapo.trainer import run as run_mod
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    launched = []
+    monkeypatch.setattr(sglang_server, "launch_servers", lambda specs, **kw: launched.extend(specs) or [])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for det in (True, False):
+        launched.clear()
+        cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
+            "rollout.engine=sglang", "model.hf_path=/models/tiny", f"rollout.deterministic_inference={det}",
+            "data.max_prompt_length=40", "data.max_response_length=24", f"trainer.output_dir={tmp_path}"])
+        run_mod._launch_sglang(cfg)
+        assert launched and all(s.deterministic_inference is det and s.context_length == 64 for s in launched)
+        cmd = build_launch_command(launched[0])
+        assert cmd[cmd.index("--context-length") + 1] == "64"
+        assert ("--enable-deterministic-inference" in cmd) is det
+
+
+def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tmp_path):
+    import pathlib
+    import types
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.rollout import sglang_engine
+    from megatron_dapo.trainer import run as run_mod
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    made = []
+
+    class Recorder:
+        policy_version = 0
+
+        def __init__(self, urls, **kw):
+            made.append(kw)
+
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", Recorder)
+    for det in (True, False):
+        cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
+            "rollout.engine=sglang", "rollout.sglang_urls=[http://127.0.0.1:1]",
+            f"rollout.deterministic_inference={det}", f"trainer.output_dir={tmp_path}"])
+        run_mod._sglang_engine(cfg, types.SimpleNamespace(rank=0, world_size=1, ctrl=None))
+        assert made[-1]["require_deterministic"] is det

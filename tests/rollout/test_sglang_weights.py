@@ -1,16 +1,17 @@
-"""Weight-sync bucketing and payloads, and the colocated /update_weights_from_tensor path end to end."""
+"""Weight-sync bucketing and payloads, and the colocated /update_weights_from_tensor path end to end
+against the SGLang stand-in (its own process, 0.5.23's protocol, TP receiver ranks)."""
 
 import base64
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+import torch.multiprocessing as tmp
 
 from megatron_dapo.rollout import sglang_weights as sw
 from megatron_dapo.rollout.base import RolloutEngineError
 from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
-
-from .sglang_protocol_server import ProtocolServer
+from tests.standin import StandinServer, expected_checksums
 
 
 def _named():
@@ -81,34 +82,59 @@ def test_weight_group_layout_gives_each_server_tp_rank_its_own_rank():
         sw.weight_group_layout([1, 0])
 
 
+@pytest.fixture
+def file_system_sharing():
+    """CPU tensors shared through named shared-memory files, which any process on the node can open
+    (CUDA IPC plays this part on a GPU node); the default (file descriptors) opens only in the sender's
+    multiprocessing children."""
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    yield
+    tmp.set_sharing_strategy(before)
+
+
+def test_colocated_cpu_tensors_by_file_descriptor_cannot_be_opened_by_a_server_process(tmp_path):
+    """The real fault the in-process stand-in hid: a ForkingPickler CPU tensor (default strategy) points
+    at the sender's resource_sharer, which only its multiprocessing children may contact. SGLang's
+    scheduler dies on it, and so does the stand-in."""
+    assert tmp.get_sharing_strategy() == "file_descriptor"
+    with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url], max_retries=0) as eng:
+        with pytest.raises(EngineRequestError, match="/update_weights_from_tensor: ConnectionError"):
+            eng.update_weights(_named()[:1], policy_version=1, bucket_mb=1)
+        assert s.wait_exit() == 1
+        assert "AuthenticationError: digest sent was rejected" in s.log_tail()
+        assert eng.policy_version == 0  # a failed update leaves the version alone
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_colocated_update_sends_size_bounded_buckets_and_the_version_last(tp_size):
-    with ProtocolServer() as a, ProtocolServer() as b:
-        for s in (a, b):
-            s.state.tp_size = tp_size
+def test_colocated_update_sends_size_bounded_buckets_in_one_session_and_the_version_last(
+        tmp_path, file_system_sharing, tp_size):
+    with StandinServer(toy=True, tp_size=tp_size, log_dir=tmp_path) as a, \
+            StandinServer(toy=True, tp_size=tp_size, log_dir=tmp_path) as b:
         with SGLangEngine([a.url, b.url], tp_size=tp_size) as eng:
             eng.update_weights(_named(), policy_version=7, bucket_mb=1000 / sw.MIB)
             assert eng.policy_version == 7
         for s in (a, b):
-            assert [[n for n, *_ in bk] for bk in s.state.tensor_buckets] == [["a", "b"], ["c"], ["d", "e"]]
-            for bk in s.state.tensor_buckets:
-                assert sum(nbytes for *_, nbytes in bk) <= 1000 or len(bk) == 1
-            bodies = s.state.bodies("/update_weights_from_tensor")
+            weight_paths = [p for p in s.paths() if "weight" in p]
+            assert weight_paths == ["/begin_weight_update"] + ["/update_weights_from_tensor"] * 3 + ["/end_weight_update"]
+            bodies = s.requests("/update_weights_from_tensor")
             assert [len(x["serialized_named_tensors"]) for x in bodies] == [tp_size] * 3
             assert [x["flush_cache"] for x in bodies] == [False, False, True]
             assert [x["weight_version"] for x in bodies] == [None, None, "7"]
-            for name, t in _named():
-                assert torch.equal(s.state.weights[name], t)
+            assert {x["selector"] for x in bodies} == {"all"}
+            assert s.stats()["weight_version"] == "7"
+            # every TP rank opened its own entry and holds every tensor, byte for byte
+            assert s.checksums() == [expected_checksums(_named())] * tp_size
+            assert s.ignored_fields() == {}
 
 
-def test_update_weights_dispatch_disk_version_only_and_order_checks():
-    with ProtocolServer() as s, SGLangEngine([s.url], policy_version=2) as eng:
+def test_update_weights_dispatch_disk_version_only_and_order_checks(tmp_path):
+    with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url], policy_version=2) as eng:
         eng.update_weights(model_path="/ckpt/step3", policy_version=3)
-        assert s.state.bodies("/update_weights_from_disk") == [
-            {"model_path": "/ckpt/step3", "weight_version": "3"}
-        ]
+        assert s.requests("/update_weights_from_disk") == [{"model_path": "/ckpt/step3", "weight_version": "3"}]
+        assert "/begin_weight_update" not in s.paths()  # disk updates need no session in 0.5.23
         eng.update_weights(policy_version=4)  # weights pushed by the caller: only the version moves
-        assert eng.policy_version == 4 and s.state.paths().count("/update_weights_from_tensor") == 0
+        assert eng.policy_version == 4 and s.paths().count("/update_weights_from_tensor") == 0
         with pytest.raises(ValueError, match=r"policy_version must be an int >= 4 \(current\), got 3"):
             eng.update_weights(policy_version=3)
         with pytest.raises(RolloutEngineError, match="needs init_weights_update_group first"):
@@ -117,11 +143,13 @@ def test_update_weights_dispatch_disk_version_only_and_order_checks():
             eng.update_weights(_named(), policy_version=5, bucket_mb=0)
 
 
-def test_a_server_rejecting_an_update_raises_naming_it():
-    with ProtocolServer() as s, SGLangEngine([s.url], tp_size=2) as eng:
-        # the server expects one entry per TP rank (1 here); the engine sends 2
-        with pytest.raises(
-            EngineRequestError, match=r"/update_weights_from_tensor: HTTP 400: .*one per TP rank"
-        ):
+def test_a_server_rejecting_an_update_raises_naming_it(tmp_path, file_system_sharing):
+    # 0.5.23 refuses a tensor update outside a weight-update session; this engine opens none
+    with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url], open_weight_sessions=False) as eng:
+        with pytest.raises(EngineRequestError, match=r"/update_weights_from_tensor: HTTP 400: .*"
+                                                     r"must run between begin_weight_update\(\) and end_weight_update"):
             eng.update_weights(_named()[:1], policy_version=1, bucket_mb=1)
         assert eng.policy_version == 0  # a failed update leaves the version alone
+        with eng.weight_update_session():  # the caller's session: now it lands
+            eng.update_weights(_named()[:1], policy_version=1, bucket_mb=1)
+        assert eng.policy_version == 1 and s.checksums() == [expected_checksums(_named()[:1])]

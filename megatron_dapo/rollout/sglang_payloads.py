@@ -1,0 +1,162 @@
+"""SGLang /generate: the request body the engine sends and the validation of each reply item.
+
+Request (SGLang's GenerateReqInput and SamplingParams, every field checked against the release
+protocols in tests/assets/sglang): a batch with `input_ids` (one token list per item),
+`sampling_params` (one dict per item: max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+and sampling_seed when the servers honour seeds), `rid` (one id per item), `return_logprob: true`,
+`logprob_start_len: -1` (output tokens only), `stream: false`.
+
+Reply: a list, one result per item in order: `{"text", "output_ids", "meta_info": {"id",
+"finish_reason": {"type": "stop"|"length"|"abort", ...}, "prompt_tokens", "completion_tokens",
+"output_token_logprobs": [[logprob, token_id, text|null], ...], speculative counters}}`. Response
+tokens are read from `output_token_logprobs` and cross-checked with `output_ids` and
+`completion_tokens` when present; a mismatch raises EngineReplyError naming the request and field.
+The counters' names depend on the release (sglang_versions); they become
+Sample.meta["spec_draft_tokens" | "spec_accepted_tokens" | "spec_verify_ct"].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.rollout.base import (
+    FINISH_REASONS,
+    PromptInput,
+    RolloutEngineError,
+    SamplingParams,
+    derive_sample_seed,
+)
+from megatron_dapo.rollout.sglang_versions import SPEC_VERIFY_KEY, ReleaseFeatures
+
+
+class EngineReplyError(RolloutEngineError):
+    """A server reply that does not follow the protocol; the message names the request and field."""
+
+
+class EngineRequestError(RolloutEngineError):
+    """A request that failed (HTTP 4xx, or 5xx / connection errors after every retry)."""
+
+
+class EngineTimeoutError(EngineRequestError):
+    """A request that timed out on its last attempt."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """One /generate result, validated."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: str
+    meta: dict[str, int]
+
+
+def build_generate_payload(
+    items: Sequence[tuple[PromptInput, int]], sampling: SamplingParams, rids: Sequence[str], *, seeds: bool = True
+) -> dict[str, Any]:
+    """JSON body of one batched POST /generate; `items` are (prompt, sample_index) pairs. With
+    `seeds` false no sampling_seed is sent (a server without deterministic inference ignores it)."""
+    params = []
+    for prompt, j in items:
+        p: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+        }
+        if sampling.stop_token_ids:
+            p["stop_token_ids"] = list(sampling.stop_token_ids)
+        if seeds and sampling.seed is not None:
+            p["sampling_seed"] = derive_sample_seed(sampling.seed, prompt.prompt_id, j)
+        params.append(p)
+    return {
+        "input_ids": [list(prompt.token_ids) for prompt, _ in items],
+        "sampling_params": params,
+        "rid": list(rids),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def spec_fields(features: ReleaseFeatures) -> tuple[tuple[str, str], ...]:
+    """(Sample.meta key, the release's meta_info name) of the speculative-decoding counters."""
+    return (("spec_draft_tokens", features.spec_proposed_key), ("spec_accepted_tokens", features.spec_accepted_key),
+            ("spec_verify_ct", SPEC_VERIFY_KEY))
+
+
+def parse_spec_meta(meta_info: dict[str, Any], *, request: str, fields: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """Speculative-decoding counts of one request: empty when the server ran without speculative
+    decoding or the request had no verify step (SGLang then sends no counters)."""
+    out: dict[str, int] = {}
+    for key, name in fields:
+        if name is None or name not in meta_info:
+            continue
+        v = meta_info[name]
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise EngineReplyError(f"{request}: meta_info.{name} must be an int >= 0, got {v!r}")
+        out[key] = v
+    return out
+
+
+def parse_generate_output(
+    item: Any, *, request: str, max_new_tokens: int, spec: Sequence[tuple[str, str]] = ()
+) -> ParsedOutput:
+    """Validate one /generate result and pull out tokens, log-probs, finish reason and spec meta."""
+    if not isinstance(item, dict):
+        raise EngineReplyError(f"{request}: result must be a JSON object, got {type(item).__name__}")
+    meta = item.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineReplyError(f"{request}: field meta_info missing or not an object")
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_REASONS:
+        raise EngineReplyError(
+            f"{request}: meta_info.finish_reason must be an object with type in {FINISH_REASONS}, got {fr!r}"
+        )
+    finish = fr["type"]
+    entries = meta.get("output_token_logprobs")
+    if entries is None and finish == "abort":
+        entries = []  # aborted before the first decode step: SGLang may send no log-probs at all
+    if not isinstance(entries, list):
+        raise EngineReplyError(f"{request}: meta_info.output_token_logprobs missing or not a list")
+    tokens, logps = [], []
+    for i, e in enumerate(entries):
+        if not (isinstance(e, (list, tuple)) and len(e) >= 2):
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] must be [logprob, token_id, text], got {e!r}"
+            )
+        lp, tok = e[0], e[1]
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] token id {tok!r} is not an int >= 0"
+            )
+        if (
+            not isinstance(lp, (int, float))
+            or isinstance(lp, bool)
+            or not (lp == lp and abs(lp) != float("inf"))
+        ):
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
+            )
+        tokens.append(tok)
+        logps.append(float(lp))
+    output_ids = item.get("output_ids")
+    if output_ids is not None and list(output_ids) != tokens:
+        raise EngineReplyError(
+            f"{request}: output_ids ({len(output_ids)} tokens) disagree with meta_info.output_token_logprobs "
+            f"({len(tokens)} tokens)"
+        )
+    completion = meta.get("completion_tokens")
+    if completion is not None and finish != "abort" and completion != len(tokens):
+        raise EngineReplyError(
+            f"{request}: meta_info.completion_tokens={completion!r} but output_token_logprobs has {len(tokens)} entries"
+        )
+    if len(tokens) > max_new_tokens:
+        raise EngineReplyError(
+            f"{request}: meta_info.output_token_logprobs has {len(tokens)} tokens > max_new_tokens={max_new_tokens}"
+        )
+    return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec))

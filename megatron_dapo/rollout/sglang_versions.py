@@ -1,0 +1,129 @@
+"""The SGLang releases the client supports and what differs between them: one table, read from the
+release wheels (tools/sglang_protocol.py extracts the evidence into tests/assets/sglang/).
+
+`SGLangEngine` reads the server's version from /server_info at connect and refuses a release
+outside SUPPORTED with UnsupportedSGLangVersion; everything release-dependent it does goes through
+`features_for(version)`.
+
+What the wheels show (release = first one with the change):
+
+- 0.5.5: `sampling_seed` becomes a sampling parameter, honoured only when the server runs with
+  --enable-deterministic-inference (new then); /destroy_weights_update_group appears; speculative
+  counters are spec_verify_ct, spec_accept_rate, spec_accept_length only.
+- 0.5.8: /model_info and /server_info (/get_model_info and /get_server_info stay, deprecated, and log
+  a warning per call); speculative counters spec_draft_token_num (proposed) and
+  spec_accept_token_num (accepted), present only after a verify step. Lower bound: before 0.5.8
+  the counters of accepted and proposed drafts do not exist.
+- 0.5.11: the counters are renamed spec_proposed_drafts / spec_accepted_drafts.
+- 0.5.12: renamed again, spec_num_proposed_drafts / spec_num_correct_drafts (the 0.5.11 names stay
+  as aliases through 0.5.20, gone in 0.5.21).
+- 0.5.21: /begin_weight_update ... /end_weight_update sessions; /update_weights_from_distributed and
+  /update_weights_from_tensor outside one are refused with HTTP 400 (/update_weights_from_disk is
+  not); begin and both updates take `selector` ("all" | "target" | "draft": the drafter runner).
+- 0.5.22: unknown sampling parameters are refused with HTTP 400 by the JSON contract (before: HTTP
+  500 from SamplingParams(**params)); unknown request fields stay ignored in every release.
+
+Every release in the range reports `version` and `context_length` (the --context-length launch
+setting, None when not given) in /server_info.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from megatron_dapo.rollout.base import RolloutEngineError
+
+SUPPORTED = ("0.5.8", "0.5.23")
+"""Oldest and newest SGLang release the client is tested against (inclusive)."""
+
+SELECTORS = ("all", "target", "draft")
+
+
+class UnsupportedSGLangVersion(RolloutEngineError):
+    """A server runs an SGLang release outside SUPPORTED (or reports no version)."""
+
+
+@dataclass(frozen=True)
+class ReleaseFeatures:
+    """What the client does differently per release (see the module docstring)."""
+
+    version: tuple[int, int, int]
+    model_info_path: str = "/get_model_info"
+    server_info_path: str = "/get_server_info"
+    spec_proposed_key: str | None = None
+    spec_accepted_key: str | None = None
+    weight_update_session: bool = False
+    update_selector: bool = False
+
+
+CHANGES: tuple[tuple[str, dict], ...] = (
+    ("0.5.8", {"model_info_path": "/model_info", "server_info_path": "/server_info",
+               "spec_proposed_key": "spec_draft_token_num", "spec_accepted_key": "spec_accept_token_num"}),
+    ("0.5.11", {"spec_proposed_key": "spec_proposed_drafts", "spec_accepted_key": "spec_accepted_drafts"}),
+    ("0.5.12", {"spec_proposed_key": "spec_num_proposed_drafts", "spec_accepted_key": "spec_num_correct_drafts"}),
+    ("0.5.21", {"weight_update_session": True, "update_selector": True}),
+)
+"""(release, the fields that change there): features_for folds every entry up to the version."""
+
+SPEC_VERIFY_KEY = "spec_verify_ct"
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of an SGLang version string ("0.5.8", "0.5.13.post1", "0.5.24.dev3+g1")."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)\.(\d+)", str(text))
+    if m is None:
+        raise UnsupportedSGLangVersion(f"cannot read an SGLang version from {text!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def features_for(version: str, *, where: str = "the server") -> ReleaseFeatures:
+    """The features of `version`; UnsupportedSGLangVersion outside SUPPORTED."""
+    v = parse_version(version)
+    lo, hi = (parse_version(s) for s in SUPPORTED)
+    if not lo <= v <= hi:
+        raise UnsupportedSGLangVersion(
+            f"{where} runs SGLang {version}; megatron_dapo supports SGLang {SUPPORTED[0]} to {SUPPORTED[1]} "
+            "(README, 'SGLang releases'): use a release in that range")
+    features = ReleaseFeatures(version=v)
+    for release, change in CHANGES:
+        if v >= parse_version(release):
+            features = dataclasses.replace(features, **change)
+    return features
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the client learns at connect from the servers' /server_info."""
+
+    version: str
+    features: ReleaseFeatures
+    context_length: int | None
+    """The smallest --context-length over the servers; None when they were launched without one."""
+    seeds_honoured: bool
+    """Every server runs with --enable-deterministic-inference (SGLang honours sampling_seed only then)."""
+
+
+def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False) -> ServerFacts:
+    """Check the (url, /server_info) of every server: one supported release, and deterministic
+    inference when `require_deterministic` (rollout.deterministic_inference) asks for it."""
+    for url, info in infos:
+        version = info.get("version")
+        if not isinstance(version, str):
+            raise UnsupportedSGLangVersion(f"{url}: /server_info reports no SGLang version ({version!r})")
+        features_for(version, where=url)
+    versions = {info["version"] for _, info in infos}
+    if len(versions) > 1:
+        listed = ", ".join(f"{u}: {i['version']}" for u, i in infos)
+        raise UnsupportedSGLangVersion(f"the servers run different SGLang releases ({listed}); use one")
+    version = versions.pop()
+    limits = [i.get("context_length") for _, i in infos]
+    limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    off = [u for u, i in infos if i.get("enable_deterministic_inference") is not True]
+    if require_deterministic and off:
+        raise RolloutEngineError(
+            f"rollout.deterministic_inference=true but {off} run without --enable-deterministic-inference: "
+            "SGLang would ignore the sampling seeds; relaunch them with the flag")
+    return ServerFacts(version=version, features=features_for(version), context_length=min(limits) if limits else None,
+                       seeds_honoured=not off)

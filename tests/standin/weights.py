@@ -1,0 +1,147 @@
+"""The stand-in's tensor-parallel receiver ranks: weight-update groups (gloo), broadcast receives,
+serialized-tensor payloads, and per-rank checksums of what arrived.
+
+A server launched with --tp-size K runs K receiver ranks (threads of the server process, one work
+thread each, so every rank enters each collective concurrently as SGLang's K scheduler processes
+do). For /init_weights_update_group each rank joins the named group as rank `rank_offset + tp_rank`
+of `world_size`; a server can hold several named groups at once (one per trainer sender). The
+group is the one the trainer's `sglang_weights.init_weight_update_group` builds: TCP rendezvous at
+master_address:master_port, a store prefixed with the group name, and the gloo backend under the
+prefixes torch's `_new_process_group_helper` uses ("<group>/", "cpu/"), built directly here because
+torch allows a group name once per process and the K ranks share this process.
+
+/update_weights_from_tensor: each rank opens its own entry of `serialized_named_tensors` (base64 of
+a ForkingPickler pickle, SGLang's MultiprocessingSerializer) with a restricted unpickler, as
+SGLang's SafeUnpickler does. CPU tensors shared through file descriptors reach back to the
+sender's resource_sharer with the receiver's multiprocessing authkey: from a process that is not
+the sender's multiprocessing child this fails with AuthenticationError, as it does for real.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401  (registers the tensor reducers ForkingPickler uses)
+from torch.distributed import distributed_c10d as c10d
+
+from tests.standin.state import RankError
+
+_ALLOWED_MODULES = {"torch._utils", "torch.multiprocessing.reductions", "torch.storage", "torch._tensor",
+                    "torch.nn.parameter"}
+_ALLOWED = {("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "bytes", "set")} | {
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("multiprocessing.resource_sharer", "DupFd"),
+    ("multiprocessing.reduction", "_rebuild_partial"), ("torch", "Size"), ("torch", "device"),
+    ("torch", "Tensor"), ("torch", "UntypedStorage"), ("torch", "TypedStorage")}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Tensors, storages and plain containers only (the allowlist idea of SGLang's SafeUnpickler)."""
+
+    def find_class(self, module, name):
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED or (
+                module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None),
+                                                                               torch.dtype))):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def deserialize(entry: str) -> list[tuple[str, torch.Tensor]]:
+    data = base64.b64decode(entry, validate=True)
+    named = _RestrictedUnpickler(io.BytesIO(data)).load()
+    if not (isinstance(named, list) and all(isinstance(x, tuple) and len(x) == 2 for x in named)):
+        raise ValueError("serialized_named_tensors entry is not a list of (name, tensor) pairs")
+    return named
+
+
+def tensor_checksum(t: torch.Tensor) -> dict[str, Any]:
+    """sha256 of the tensor's bytes (exact: a transport either delivers them or not), with its dtype,
+    shape and float64 sums for reading a mismatch."""
+    c = t.detach().contiguous().cpu()
+    raw = c.view(torch.uint8) if c.numel() else c
+    return {"sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), "dtype": str(c.dtype).removeprefix("torch."),
+            "shape": list(c.shape), "sum": float(c.double().sum()), "sumsq": float(c.double().pow(2).sum())}
+
+
+def join_group(*, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               timeout_s: float) -> dist.ProcessGroupGloo:
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore("cpu/", c10d.PrefixStore(f"{group_name}/", c10d.PrefixStore(group_name, store)))
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class Ranks:
+    """K receiver ranks; `run(fn)` calls fn(rank) on every rank's own thread and returns the results."""
+
+    def __init__(self, tp_size: int, *, timeout_s: float = 120.0):
+        self.tp_size, self.timeout_s = tp_size, timeout_s
+        self.groups: list[dict[str, dist.ProcessGroupGloo]] = [{} for _ in range(tp_size)]
+        self._pools = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tp{r}") for r in range(tp_size)]
+
+    def run(self, fn) -> list:
+        futures = [pool.submit(fn, r) for r, pool in enumerate(self._pools)]
+        errors, out = [], []
+        for r, f in enumerate(futures):
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001 - every rank's error is reported with its rank
+                errors.append((r, e))
+        if errors:
+            r, e = errors[0]
+            raise RankError(r, e)
+        return out
+
+    def init_group(self, body: dict) -> None:
+        name = body["group_name"]
+        if name in self.groups[0]:
+            raise ValueError(f"weight-update group {name!r} already exists on this server")
+        self.run(lambda r: self.groups[r].__setitem__(name, join_group(
+            master_address=body["master_address"], master_port=body["master_port"], rank=body["rank_offset"] + r,
+            world_size=body["world_size"], group_name=name, timeout_s=self.timeout_s)))
+
+    def destroy_group(self, name: str) -> bool:
+        if name not in self.groups[0]:
+            return False
+        self.run(lambda r: self.groups[r].pop(name))
+        return True
+
+    def receive(self, body: dict) -> list[dict[str, torch.Tensor]]:
+        """Every rank receives the request's tensors, broadcast from group rank 0, in request order."""
+        name = body["group_name"]
+        if name not in self.groups[0]:
+            raise ValueError(f"weight-update group {name!r} is not initialized on this server "
+                             f"(groups: {sorted(self.groups[0])})")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        for n, dt in zip(names, dtypes, strict=True):
+            if not isinstance(getattr(torch, dt, None), torch.dtype):
+                raise ValueError(f"parameter {n!r}: dtype {dt!r} is not a torch dtype name")
+
+        def recv(r):
+            out = {}
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            for n, dt, shape in zip(names, dtypes, shapes, strict=True):
+                t = torch.empty(tuple(shape), dtype=getattr(torch, dt))
+                self.groups[r][name].broadcast([t], opts).wait()
+                out[n] = t
+            return out
+
+        return self.run(recv)
+
+    def open_serialized(self, entries: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each rank opens its own entry (index tp_rank), as SGLang's TP workers do."""
+        if len(entries) != self.tp_size:
+            raise ValueError(f"serialized_named_tensors has {len(entries)} entries, the server has "
+                             f"tp_size={self.tp_size} (one per TP rank)")
+        return self.run(lambda r: {n: t.clone() for n, t in deserialize(entries[r])})
