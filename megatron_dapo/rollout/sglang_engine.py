@@ -278,7 +278,7 @@ class SGLangEngine(RolloutEngine):
             response_token_ids=parsed.token_ids,
             rollout_log_probs=parsed.log_probs,
             finish_reason=parsed.finish_reason,
-            policy_version=version,
+            policy_version=version if parsed.weight_version is None else parsed.weight_version,
             meta=dict(parsed.meta),
         )
 

@@ -51,6 +51,9 @@ class ParsedOutput:
     log_probs: tuple[float, ...]
     finish_reason: str
     meta: dict[str, int]
+    weight_version: int | None = None
+    """meta_info.weight_version as the server reports it, when it is a version this trainer set (an int);
+    None for the server's initial "default" or releases without the field."""
 
 
 def build_generate_payload(
@@ -159,4 +162,7 @@ def parse_generate_output(
         raise EngineReplyError(
             f"{request}: meta_info.output_token_logprobs has {len(tokens)} tokens > max_new_tokens={max_new_tokens}"
         )
-    return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec))
+    wv = meta.get("weight_version")
+    version = int(wv) if isinstance(wv, str) and wv.isdigit() else None
+    return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec),
+                        weight_version=version)

@@ -302,6 +302,13 @@ class DAPOTrainer:
                                                    "sampler": self.p.sampler.state_dict()})
 
     def _resume(self) -> None:
+        """Restore the latest (or the named) checkpoint, then push the actor's weights to the engine:
+        always, resumed or not, since servers may hold another run's weights (and a fresh server
+        reports no version the per-row check could compare against)."""
+        self._restore()
+        self.sync_weights(self.global_step)
+
+    def _restore(self) -> None:
         mode, root = self.cfg.trainer.resume_mode, self.cfg.ckpt_dir
         if mode == "disable":
             return
@@ -322,7 +329,6 @@ class DAPOTrainer:
                 self.p.kl_ctrl.value = float(state["kl_coef"])
             torch.set_rng_state(state["torch_rng"])
             self.loss_history = [(int(s), float(v)) for s, v in state["loss_history"]]
-            self.sync_weights(self.global_step)
             log.info("resumed from %s at step %d", path, self.global_step)
         inflight = ckpt.load_inflight(root) if os.path.isdir(root) else None
         if inflight is not None and int(inflight["step"]) == self.global_step + 1:

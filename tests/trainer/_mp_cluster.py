@@ -1,0 +1,98 @@
+"""The sync trainer in a recipe layout (scaled down) against SGLang stand-in servers in their own processes.
+
+    torchrun --nproc_per_node 4 tests/trainer/_mp_cluster.py OUT key=value ...
+
+Runs `fit` as `python -m megatron_dapo.train` would (build_trainer), and after every weight sync checks
+that every HF tensor at every TP rank of every server equals the actor's own HF export of that step
+(sha256 of the bytes; the export is gathered over TP / PP / EP to its writer ranks, then to rank 0).
+Writes OUT/report.json (rank 0: per sync, the tensors compared and the mismatches) and
+OUT/sync_stats.rank<r>.json (per sync: seconds, buckets, tensors sent, bytes sent and gathered).
+"""
+
+import json
+import logging
+import sys
+
+import requests
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import load_config
+from megatron_dapo.models.forward import unwrap_model
+from megatron_dapo.models.hf import iter_hf_tensors
+from megatron_dapo.trainer.run import build_trainer
+from megatron_dapo.workers.model_arch import model_arch
+from tests.standin import tensor_checksum
+
+
+def actor_export_checksums(trainer) -> dict | None:
+    """{HF name: checksum} of the actor's own HF export, on rank 0 (None elsewhere). A collective."""
+    p = trainer.p
+    arch = model_arch(trainer.cfg, vocab_size=p.tokenizer.vocab_size)
+    mine = {}
+    for chunk in p.actor.policy.chunks:
+        for name, t in iter_hf_tensors(unwrap_model(chunk), pgs=p.pgs, arch=arch):
+            mine[name] = tensor_checksum(t)
+    parts = [None] * p.pgs.world_size if p.pgs.rank == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=p.pgs.ctrl)
+    if p.pgs.rank != 0:
+        return None
+    out = {}
+    for part in parts:
+        dup = set(out) & set(part)
+        assert not dup, f"tensors exported by two ranks: {sorted(dup)[:3]}"
+        out.update(part)
+    return out
+
+
+def main(out: str, overrides: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config("configs/tiny_cpu.yaml", overrides + [f"trainer.output_dir={out}"])
+    trainer = build_trainer(cfg)
+    pgs, urls = trainer.p.pgs, list(cfg.rollout.sglang_urls)
+    sync = trainer.sync_weights.sync
+    stats, report = [], []
+    real_sync = sync.sync
+
+    def recorded_sync(version):
+        s = real_sync(version)
+        stats.append({"version": version, "seconds": s.seconds, "buckets": s.buckets, "tensors": s.tensors,
+                      "bytes_sent": s.bytes_sent, "bytes_gathered": s.bytes_gathered})
+        return s
+
+    sync.sync = recorded_sync
+    push = trainer.sync_weights
+
+    def checked_push(version):
+        push(version)
+        want = actor_export_checksums(trainer)
+        if pgs.rank == 0:
+            entry = {"version": version, "expected": len(want), "mismatch": []}
+            for url in urls:
+                ranks = requests.get(url + "/_standin/weights", params={"checksum": 1}, timeout=60).json()["ranks"]
+                for tp_rank, got in enumerate(ranks):
+                    for name in sorted(set(want) | set(got)):
+                        if got.get(name, {}).get("sha256") != want.get(name, {}).get("sha256"):
+                            entry["mismatch"].append(f"{url} tp{tp_rank} {name}")
+                entry[url] = [len(r) for r in ranks]
+            report.append(entry)
+
+    trainer.sync_weights = checked_push
+    try:
+        trainer.fit()
+    finally:
+        sync.close()
+        trainer.p.engine.close()
+        trainer.p.reward_manager.close()
+        if trainer.p.logger is not None:
+            trainer.p.logger.close()
+    with open(f"{out}/sync_stats.rank{pgs.rank}.json", "w") as f:
+        json.dump(stats, f)
+    if pgs.rank == 0:
+        with open(f"{out}/report.json", "w") as f:
+            json.dump(report, f, indent=1)
+    torch.distributed.barrier(group=pgs.ctrl)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,142 @@
+"""A cluster in a box: the trainer on 4 gloo processes in the recipes' layouts (scaled down) drives 2
+SGLang stand-in servers with server TP 2, each its own process and generating with a real HF model
+built from the weights it received.
+
+After every step every HF tensor at every server TP rank equals the actor's own HF export (sha256),
+`rollout_corr/log_prob_abs_diff` (servers' log-probs against the actor's, fp32) stays at round-off,
+colocated servers released and resumed their memory in verl's order (the stand-in refuses to generate
+otherwise), and resuming at step 2 gives the uninterrupted run's losses; a checkpoint written at
+TP2 x PP2 resumes at TP1 x PP1. A killed server never hangs the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.standin import StandinServer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VOCAB = 18  # the arithmetic task's character tokenizer
+
+
+def _hf_model(out: pathlib.Path, kind: str) -> str:
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_hidden_layers=4, tie_word_embeddings=False)
+    if kind == "dense":
+        config = transformers.Qwen2Config(rope_theta=10000.0, **common)
+    else:
+        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, **common)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # far from uniform, so a wrong or missing tensor shows in the log-probs
+        for name, p in model.named_parameters():
+            p.copy_((1.0 + 0.1 * torch.randn(p.shape, generator=g)) if "norm" in name
+                    else 0.08 * torch.randn(p.shape, generator=g))
+    path = out / f"hf_{kind}"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _servers(tmp_path, hf_dir, n=2):
+    args = ["--enable-deterministic-inference", "--enable-memory-saver"]
+    return [StandinServer(model_path=hf_dir, tp_size=2, args=args, log_dir=tmp_path / f"srv{i}").start()
+            for i in range(n)]
+
+
+def _overrides(hf_dir, urls, *layout):
+    return [f"model.arch=hf", f"model.hf_path={hf_dir}", "rollout.engine=sglang",
+            f"rollout.sglang_urls=[{','.join(urls)}]", "rollout.tensor_model_parallel_size=2",
+            "rollout.deterministic_inference=true", "rollout.weight_sync_bucket_mb=0.02",
+            "data.train_batch_size=4", "data.gen_batch_size=null", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+            "data.max_response_length=6", "reward.overlong_buffer.len=4", "algorithm.filter_groups.enable=false",
+            "trainer.sft_warmup_steps=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+            "trainer.logger=[tensorboard]", "trainer.total_training_steps=3", "trainer.save_freq=2",
+            "actor.lr=1e-3", *layout]
+
+
+def _launch(out: pathlib.Path, overrides, nproc: int, port: int):
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+        "127.0.0.1", "--master_port", str(port)]
+    r = subprocess.run([*launcher, str(ROOT / "tests/trainer/_mp_cluster.py"), str(out), *overrides], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    acc = EventAccumulator(str(out / "tiny_cpu/tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+    report = json.loads((out / "report.json").read_text())
+    stats = [json.loads((out / f"sync_stats.rank{k}.json").read_text()) for k in range(nproc)]
+    return scalars, report, stats
+
+
+def _check_every_step(scalars, report, steps):
+    assert [e["version"] for e in report] == list(range(steps[0] - 1, steps[-1] + 1))  # the start sync too
+    for entry in report:
+        assert entry["expected"] > 0 and not entry["mismatch"], (entry["version"], entry["mismatch"][:5])
+    for step in steps:  # servers' log-probs (HF model, fp32) against the actor's (Megatron, fp32)
+        assert scalars["rollout_corr/log_prob_abs_diff"][step] < 1e-5, (step, scalars["rollout_corr/log_prob_abs_diff"])
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster_dense")
+    hf_dir = _hf_model(tmp, "dense")
+    servers = _servers(tmp, hf_dir)
+    yield tmp, hf_dir, [s.url for s in servers], servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.mark.multiproc
+def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(dense):
+    tmp, hf_dir, urls, servers = dense
+    layout = ["trainer.n_gpus_per_node=4", "parallel.tensor_model_parallel_size=2",
+              "parallel.pipeline_model_parallel_size=2"]
+    port = 29400 + os.getpid() % 100
+    scalars, report, stats = _launch(tmp / "full", _overrides(hf_dir, urls, *layout), 4, port)
+    _check_every_step(scalars, report, [1, 2, 3])
+    n_tensors = report[0]["expected"]
+    # Two stage senders (ranks 0 and 2) between them send every tensor; ranks 1 and 3 only their TP shards.
+    sent = [sum(s["tensors"] for s in per_rank) for per_rank in stats]
+    assert sent[0] + sent[2] == 4 * n_tensors and sent[1] == sent[3] == 0, sent
+    assert all(per_rank[-1]["bytes_gathered"] > 0 for per_rank in (stats[0], stats[2]))
+    for s in servers:  # colocated: the memory was released during training and is back now
+        st = s.stats()
+        assert st["weight_version"] == "3" and st["released"] == [], st
+        # verl's order each step: generate, release everything, resume weights, update, resume the KV cache
+        events = []
+        for path, body in s.requests():
+            if path.endswith("_memory_occupation"):
+                events.append(f"{path.strip('/').split('_')[0]}:{','.join(body.get('tags') or ['all'])}")
+            elif path in ("/generate", "/update_weights_from_distributed") and (not events or events[-1] != path):
+                events.append(path)
+        step = ["/generate", "release:weights,kv_cache", "resume:weights", "/update_weights_from_distributed",
+                "resume:kv_cache"]
+        assert events == ["/update_weights_from_distributed"] + step * 3, events
+
+    # Resuming at step 2 (its checkpoint) in fresh processes gives the uninterrupted run's step 3.
+    ckpt = tmp / "full/tiny_cpu/ckpt/global_step_2"
+    resumed, report2, _ = _launch(tmp / "resumed", _overrides(hf_dir, urls, *layout, f"trainer.resume_mode={ckpt}"),
+                                  4, port + 1)
+    _check_every_step(resumed, report2, [3])
+    for tag in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+        assert resumed[tag][3] == pytest.approx(scalars[tag][3], rel=1e-5, abs=1e-7), tag
+    # The TP2 x PP2 checkpoint resumes at TP1 x PP1 (dist_checkpointing reshards): the same step 3.
+    single, report1, _ = _launch(tmp / "single", _overrides(hf_dir, urls, f"trainer.resume_mode={ckpt}"), 1, 0)
+    _check_every_step(single, report1, [3])
+    for tag in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+        assert single[tag][3] == pytest.approx(scalars[tag][3], rel=1e-4, abs=1e-6), tag
