@@ -100,6 +100,9 @@ def build_transformer_config(
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False,
         mtp_num_layers=arch.mtp_num_layers or None,
+        # Set for dense models too: Megatron's default ("allgather") refuses variable_seq_lengths,
+        # which pipeline parallelism with token-budget micro-batches needs, even without experts.
+        moe_token_dispatcher_type=moe_token_dispatcher_type,
     )
     if arch.is_moe:
         kwargs.update(
@@ -110,7 +113,7 @@ def build_transformer_config(
             moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff else "none",
             # Top-k on logits then softmax over the k == softmax, top-k, renormalise.
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-            moe_router_dtype="fp32", moe_token_dispatcher_type=moe_token_dispatcher_type,
+            moe_router_dtype="fp32",
             # GroupedMLP needs the CUDA-only grouped_gemm package; TE has its own grouped GEMM.
             moe_grouped_gemm=backend == "te",
             moe_layer_freq=list(arch.moe_layer_freq) if isinstance(arch.moe_layer_freq, tuple)
