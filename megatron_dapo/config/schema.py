@@ -117,6 +117,16 @@ class ModelConfig:
     """Override of the architecture's KV heads (GQA groups)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation of the actor. [recipe: actor_rollout_ref.model.enable_gradient_checkpointing]"""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into DDP's fp32 main_grad; None = on with Transformer Engine, off on the local spec (needs TE)."""
+    apply_rope_fusion: bool | None = None
+    """Fused RoPE kernel; None = on with Transformer Engine, off on the local spec (needs TE)."""
+    bias_activation_fusion: bool | None = None
+    """Fused (bias +) SwiGLU that keeps only its input for backward (saves ffn/TP activation elements per token and layer); None = on with TE, off on the local spec."""
+    bias_dropout_fusion: bool | None = None
+    """Fused bias + dropout + residual add; None = on with TE, off on the local spec."""
+    masked_softmax_fusion: bool | None = None
+    """Fused scale + mask + softmax of the local attention (TE's attention is fused anyway); None = on with TE, off on the local spec."""
 
     def __post_init__(self):
         _check(self.mtp_num_layers >= 0, "model.mtp_num_layers", ">= 0", self.mtp_num_layers)

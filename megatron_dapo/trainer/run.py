@@ -138,7 +138,10 @@ def build_parts(cfg: Config):
         from megatron_dapo.workers.model_arch import model_arch
 
         gib = torch.cuda.get_device_properties(pgs.device).total_memory / 2**30
-        plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=tokenizer.vocab_size), gpu_memory_gib=gib)
+        from megatron_dapo.models.builder import default_backend
+
+        plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=tokenizer.vocab_size), gpu_memory_gib=gib,
+                                backend=default_backend(pgs.device))
         log.info("memory plan:\n%s", format_plan(plan))
         check_fits(plan)
     train, val = _datasets(cfg, tokenizer)
