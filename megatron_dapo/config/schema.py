@@ -480,7 +480,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps before the actor starts updating. [recipe: trainer.critic_warmup]"""
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
-    """Metric sinks: console, tensorboard. [recipe: trainer.logger]"""
+    """Metric sinks: console, tensorboard, wandb, mlflow (the last two are optional extras; configured by their own WANDB_* / MLFLOW_TRACKING_URI variables). [recipe: trainer.logger]"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available."""
     nnodes: int = 1
@@ -506,8 +506,8 @@ class TrainerConfig:
         _check(self.critic_warmup >= 0, "trainer.critic_warmup", ">= 0", self.critic_warmup)
         _check(self.nnodes >= 1, "trainer.nnodes", ">= 1", self.nnodes)
         _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", ">= 1", self.n_gpus_per_node)
-        _check(set(self.logger) <= {"console", "tensorboard"}, "trainer.logger",
-               'a list of "console" and/or "tensorboard"', self.logger)
+        _check(set(self.logger) <= {"console", "tensorboard", "wandb", "mlflow"}, "trainer.logger",
+               'a list of "console", "tensorboard", "wandb", "mlflow"', self.logger)
         _check(self.sft_warmup_steps >= 0, "trainer.sft_warmup_steps", ">= 0", self.sft_warmup_steps)
         _check(0.0 <= self.sft_warmup_target_acc < 1.0, "trainer.sft_warmup_target_acc", "in [0, 1)",
                self.sft_warmup_target_acc)

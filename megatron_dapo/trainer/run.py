@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from megatron_dapo.config import Config, to_yaml
+from megatron_dapo.config import Config, to_dict, to_yaml
 
 log = logging.getLogger("megatron_dapo")
 
@@ -162,7 +162,9 @@ def build_parts(cfg: Config):
     logger = None
     if pgs.rank == 0:
         logger = MetricsLogger(os.path.join(cfg.run_dir, "tb") if "tensorboard" in cfg.trainer.logger else None,
-                               backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps)
+                               backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps,
+                               project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
+                               wandb_dir=cfg.run_dir, config=to_dict(cfg))
     parts = TrainerParts(actor=actor, engine=_engine(cfg, actor, pgs, tokenizer), tokenizer=tokenizer,
                          reward_manager=rm, train_data=train, val_data=val, sampler=sampler, logger=logger, pgs=pgs,
                          adv_fn=get_adv_estimator_fn(cfg.algorithm.adv_estimator), kl_ctrl=kl_ctrl,
