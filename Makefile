@@ -55,10 +55,13 @@ $(TRL_VENV)/.installed:
 		"datasets==5.2.0" requests
 	touch $@
 
-# The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch; DRY_RUN=1 prints
-# every command per node instead). Extra trainer overrides go in ARGS.
+# The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch). DRY_RUN=1 prints
+# every command per node instead and needs no Slurm: the script runs under bash, and outside an
+# allocation it previews the 16 nodes its #SBATCH header asks for (made-up names). Extra trainer
+# overrides go in ARGS.
 SBATCH ?= sbatch
 SBATCH_SCRIPT := launch/slurm/dapo_16x8_h800.sbatch
+SUBMIT = $(if $(filter 1,$(DRY_RUN)),DRY_RUN=1 bash,$(SBATCH))
 TB_PORT ?= 6006
 TB_LOGDIR ?= runs
 DAPO_MATH ?=
@@ -67,16 +70,16 @@ EVAL_MODEL ?=
 EVAL_DATA ?= data/aime-2024.parquet
 
 train-dapo-32b:
-	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-dapo-32b-wo-ds:
-	RECIPE=configs/dapo_wo_ds_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_wo_ds_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-dapo-32b-early:
-	RECIPE=configs/dapo_early_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_early_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-moe:
-	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 tensorboard: install
 	$(BIN)/tensorboard --logdir $(TB_LOGDIR) --host 127.0.0.1 --port $(TB_PORT)
