@@ -9,7 +9,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
 .PHONY: install train test test-all lint bench bench-trl clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
-	train-moe tensorboard data eval-aime
+	train-moe tensorboard data eval-aime docker
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
 # would pull a multi-GB CUDA build). A stamp file keeps a re-run to a quick up-to-date check.
@@ -93,6 +93,15 @@ eval-aime: install
 	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...]"; exit 2; }
 	$(BIN)/python -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
 		--top-p 0.7 --max-tokens 20480 $(ARGS)
+
+# The cluster image: NGC PyTorch + SGLang + this project (docker/Dockerfile). BASE_IMAGE and
+# SGLANG_VERSION must agree on torch's major.minor (the build checks it).
+IMAGE ?= megatron-dapo:latest
+BASE_IMAGE ?=
+SGLANG_VERSION ?=
+docker:
+	docker build -f docker/Dockerfile $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+		$(if $(SGLANG_VERSION),--build-arg SGLANG_VERSION=$(SGLANG_VERSION)) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) build *.egg-info .pytest_cache
