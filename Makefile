@@ -8,8 +8,8 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets clean train-dapo-32b train-dapo-32b-wo-ds train-dapo-32b-early \
-	train-moe tensorboard data eval-aime
+.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets clean train-dapo-32b train-dapo-32b-wo-ds \
+	train-dapo-32b-early train-moe tensorboard data eval-aime docker
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
 # would pull a multi-GB CUDA build). A stamp file keeps a re-run to a quick up-to-date check.
@@ -76,10 +76,13 @@ $(VERL_VENV)/.installed:
 verl-assets: verl-env
 	$(VERL_VENV)/bin/python tools/verl_reference.py
 
-# The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch; DRY_RUN=1 prints
-# every command per node instead). Extra trainer overrides go in ARGS.
+# The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch). DRY_RUN=1 prints
+# every command per node instead and needs no Slurm: the script runs under bash, and outside an
+# allocation it previews the 16 nodes its #SBATCH header asks for (made-up names). Extra trainer
+# overrides go in ARGS.
 SBATCH ?= sbatch
 SBATCH_SCRIPT := launch/slurm/dapo_16x8_h800.sbatch
+SUBMIT = $(if $(filter 1,$(DRY_RUN)),DRY_RUN=1 bash,$(SBATCH))
 TB_PORT ?= 6006
 TB_LOGDIR ?= runs
 DAPO_MATH ?=
@@ -88,16 +91,16 @@ EVAL_MODEL ?=
 EVAL_DATA ?= data/aime-2024.parquet
 
 train-dapo-32b:
-	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-dapo-32b-wo-ds:
-	RECIPE=configs/dapo_wo_ds_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_wo_ds_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-dapo-32b-early:
-	RECIPE=configs/dapo_early_qwen2.5_32b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_early_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 train-moe:
-	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SBATCH) $(SBATCH_SCRIPT) $(ARGS)
+	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
 tensorboard: install
 	$(BIN)/tensorboard --logdir $(TB_LOGDIR) --host 127.0.0.1 --port $(TB_PORT)
@@ -111,6 +114,15 @@ eval-aime: install
 	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...]"; exit 2; }
 	$(BIN)/python -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
 		--top-p 0.7 --max-tokens 20480 $(ARGS)
+
+# The cluster image: NGC PyTorch + SGLang + this project (docker/Dockerfile). BASE_IMAGE and
+# SGLANG_VERSION must agree on torch's major.minor (the build checks it).
+IMAGE ?= megatron-dapo:latest
+BASE_IMAGE ?=
+SGLANG_VERSION ?=
+docker:
+	docker build -f docker/Dockerfile $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+		$(if $(SGLANG_VERSION),--build-arg SGLANG_VERSION=$(SGLANG_VERSION)) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) build *.egg-info .pytest_cache

@@ -4,7 +4,8 @@
         --temperature 1.0 --top-p 0.7 --max-tokens 20480
 
 --model is an HF checkpoint directory (config.json + safetensors) or a trainer checkpoint
-directory (`.../ckpt/global_step_<k>`; its run's config.yaml gives the architecture and tokenizer).
+(`.../ckpt/global_step_<k>` written at any TP / PP / EP, or `.../ckpt` for its latest step; the run's
+config.yaml gives the architecture and tokenizer; see `convert.load_trainer_checkpoint`).
 --data is a parquet / jsonl file in the DAPO-Math / AIME layout, or `arithmetic` for the synthetic
 task's validation split. Generation uses the local Megatron engine (or SGLang servers with
 --engine sglang --sglang-url URL). The last line printed is a JSON object of the figures.
@@ -69,27 +70,15 @@ def _load_model(path: str, tokenizer_spec: str | None):
         from megatron_dapo.models.hf import load_hf_as_mcore
 
         return load_hf_as_mcore(path, pgs=pgs), tokenizer_spec if tokenizer_spec is not None else path, pgs
-    if os.path.exists(os.path.join(path, "trainer_state.pt")):
-        from megatron_dapo.config import load_config
-        from megatron_dapo.data.tokenizer import load_tokenizer
-        from megatron_dapo.models.forward import unwrap_model
-        from megatron_dapo.trainer.checkpoint import load_checkpoint
-        from megatron_dapo.workers.build import build_actor
+    from megatron_dapo.convert import is_trainer_checkpoint, load_trainer_checkpoint
 
-        run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml")
-        if not os.path.exists(run_config):
-            raise FileNotFoundError(f"--model {path}: the run's config.yaml is not at {run_config}")
-        cfg = load_config(run_config, ["trainer.resume_mode=disable", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
-                                       "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-                                       "parallel.expert_model_parallel_size=1", "parallel.expert_tensor_parallel_size=null",
-                                       "parallel.virtual_pipeline_model_parallel_size=null"])
-        spec = tokenizer_spec if tokenizer_spec is not None else cfg.data.tokenizer
-        tok = load_tokenizer(spec)
-        actor = build_actor(cfg, pgs, vocab_size=tok.vocab_size, pad_id=tok.pad_id)
-        load_checkpoint(path, actor=actor)
-        return unwrap_model(actor.policy.chunks[0]), spec, pgs
+    if is_trainer_checkpoint(path):
+        # Any layout the trainer wrote (TP / PP / EP / VPP): resharded into one process's model.
+        loaded = load_trainer_checkpoint(path, backend=None)
+        spec = tokenizer_spec if tokenizer_spec is not None else loaded.cfg.data.tokenizer
+        return loaded.model, spec, loaded.pgs
     raise FileNotFoundError(f"--model {path}: neither an HF directory (config.json) nor a trainer checkpoint "
-                            "(trainer_state.pt)")
+                            "(trainer_state.pt, or a ckpt/ directory with latest_checkpointed_iteration.txt)")
 
 
 def _dataset(spec: str, tokenizer, max_prompt_length: int):

@@ -29,12 +29,21 @@ Actor state per GPU (as `workers/build.py` builds it):
                 a * (4h / sp + (2q + 2kv [+ q + kv QK-norm inputs]) / tp) + 4 B * heads / tp (LSE)
                 dense MLP:  a * (2f + f) / tp
                 MoE MLP:    (8 B * E + topk * a * (2h + 3 f_e / etp) [+ shared 3 f_s a / tp]) / sp
+              with model.bias_activation_fusion (on with TE): the fused SwiGLU keeps only its input
+              (the 2f above); unfused, torch also keeps silu(gate) for the product's backward, + a*f/tp
+              per dense MLP and + topk*a*f_e/etp per routed token (no change for GeLU).
               where sp = TP with sequence parallelism, else 1 (4h: the two norm inputs and the two
               linear inputs that TP replicates without SP). Full recomputation stores only each
               layer's input, a*h/sp per token, plus one layer's full set while it is recomputed;
               selective recomputation equals none here (flash attention already recomputes softmax).
               1F1B keeps PP - r micro-batches in flight on rank r; interleaving multiplies that by
               Megatron's 1 + (PP-1)/(PP*VPP).
+  wgrad       without model.gradient_accumulation_fusion (on with TE): each linear's weight gradient
+              is a param-dtype tensor until DDP's hook adds it into the fp32 grad buffer, so the largest
+              linear weight of the GPU (often the output layer's V*h/TP) is held once more at the peak.
+              With the fusion the GEMM accumulates into the buffer directly (0). The other fusions
+              (RoPE, bias-dropout-add with dropout 0 and no bias, masked softmax: TE's attention never
+              stores the softmax) do not change what is stored.
   logits      with actor.use_fused_kernels off: T * V/TP * (a + 8) on the last stage (logits plus
               fp32 log-softmax and its gradient); the fused kernels work in chunks (counted as 0).
   reference   params only, when a KL term is used (cfg.needs_reference).
@@ -160,23 +169,42 @@ def count_shards(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, etp:
 # --- activations -------------------------------------------------------------------------------
 
 def layer_activation_bytes_per_token(arch: ModelArch, *, moe: bool, tp: int, etp: int,
-                                     sequence_parallel: bool, act_bytes: int) -> float:
+                                     sequence_parallel: bool, act_bytes: int,
+                                     bias_activation_fusion: bool = True) -> float:
     """Bytes one decoder layer keeps for backward per token of the micro-batch (no recomputation)."""
     h, hd = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
     sp = tp if sequence_parallel else 1
     attention = 2 * q + 2 * kv + ((q + kv) if arch.qk_layernorm else 0)
     total = act_bytes * (4 * h / sp + attention / tp) + 4 * arch.num_attention_heads / tp
+
+    def mlp(f: int) -> int:     # fc1 output (the activation's input) + fc2 input [+ silu(gate), unfused]
+        return (2 * f if arch.swiglu else f) + f + (f if arch.swiglu and not bias_activation_fusion else 0)
+
     if not moe:
-        f = arch.ffn_hidden_size
-        return total + act_bytes * ((2 * f if arch.swiglu else f) + f) / tp
+        return total + act_bytes * mlp(arch.ffn_hidden_size) / tp
     fe = arch.moe_ffn_hidden_size
-    per_local_token = 8 * arch.num_moe_experts + arch.moe_router_topk * act_bytes * (
-        2 * h + ((2 * fe if arch.swiglu else fe) + fe) / etp)
+    per_local_token = 8 * arch.num_moe_experts + arch.moe_router_topk * act_bytes * (2 * h + mlp(fe) / etp)
     if arch.moe_shared_expert_intermediate_size:
-        fs = arch.moe_shared_expert_intermediate_size
-        per_local_token += act_bytes * ((2 * fs if arch.swiglu else fs) + fs) / tp * sp
+        per_local_token += act_bytes * mlp(arch.moe_shared_expert_intermediate_size) / tp * sp
     return total + per_local_token / sp
+
+
+def largest_linear_weight(arch: ModelArch, *, tp: int, etp: int, last_stage: bool) -> int:
+    """Elements of the largest linear weight one GPU holds (its weight gradient is the unfused transient)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    n_in = 2 if arch.swiglu else 1
+    sizes = [h * (q + 2 * kv) // tp, q * h // tp]
+    if arch.is_moe:
+        sizes += [n_in * arch.moe_ffn_hidden_size * h // etp]
+        if arch.moe_shared_expert_intermediate_size:
+            sizes += [n_in * arch.moe_shared_expert_intermediate_size * h // tp]
+    if not arch.is_moe or arch.moe_layer_pattern().count(0):
+        sizes += [n_in * arch.ffn_hidden_size * h // tp]
+    if last_stage and arch.untie_embeddings_and_output_weights:
+        sizes += [math.ceil(arch.vocab_size / tp) * h]
+    return max(sizes)
 
 
 def in_flight_microbatches(*, pp: int, vpp: int | None, pp_rank: int) -> float:
@@ -216,6 +244,8 @@ class MemoryPlan:
     use_distributed_optimizer: bool
     actor_activations: int
     actor_logits: int
+    actor_wgrad: int
+    """The unfused weight-gradient transient (0 with gradient_accumulation_fusion)."""
     reference_params: int
     train_peak: int
     rollout_engine: str
@@ -250,10 +280,12 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
                 fused_logits: bool = True, needs_reference: bool = False, rollout_engine: str = "sglang",
                 rollout_mode: str = "colocate", rollout_tp: int = 1, gpu_memory_utilization: float = 0.85,
                 speculative: bool = False, max_seq_len: int, rollout_sequences: int = 1,
-                gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB) -> MemoryPlan:
+                gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB, bias_activation_fusion: bool = True,
+                gradient_accumulation_fusion: bool = True) -> MemoryPlan:
     """The memory plan (module docstring for every formula). Sizes in bytes.
 
-    sequence_parallel None means on whenever TP > 1, as models/builder.py resolves it.
+    sequence_parallel None means on whenever TP > 1, as models/builder.py resolves it. The two fusion
+    flags default to what Transformer Engine runs (`models.fusions.resolve_fusions("te", ...)`).
     """
     etp = etp or tp
     if sequence_parallel is None:
@@ -276,7 +308,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
 
     def per_layer(i: int) -> float:
         return layer_activation_bytes_per_token(arch, moe=bool(pattern[i]), tp=tp, etp=etp,
-                                                sequence_parallel=sequence_parallel, act_bytes=p_bytes)
+                                                sequence_parallel=sequence_parallel, act_bytes=p_bytes,
+                                                bias_activation_fusion=bias_activation_fusion)
 
     def train_memory(rank: RankParams) -> dict:
         n = rank.dense + rank.expert
@@ -295,9 +328,11 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
                  opt_repl=n * opt_bytes, optimizer=opt_dist if use_distributed_optimizer else n * opt_bytes,
                  reference=n * p_bytes if needs_reference else 0, flight=flight,
                  activations=math.ceil(tokens * (stored * flight + working)),
-                 logits=tokens * math.ceil(arch.vocab_size / tp) * (p_bytes + 8) if unfused_logits else 0)
+                 logits=tokens * math.ceil(arch.vocab_size / tp) * (p_bytes + 8) if unfused_logits else 0,
+                 wgrad=0 if gradient_accumulation_fusion else p_bytes * largest_linear_weight(
+                     arch, tp=tp, etp=etp, last_stage=rank.pp_rank == pp - 1))
         m["resident"] = m["params"] + m["grads"] + m["optimizer"] + m["reference"]
-        m["peak"] = m["resident"] + m["activations"] + m["logits"] + overhead
+        m["peak"] = m["resident"] + m["activations"] + m["logits"] + m["wgrad"] + overhead
         return m
 
     ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
@@ -325,7 +360,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         actor_params=busiest["params"], actor_grads=busiest["grads"], actor_optimizer=busiest["optimizer"],
         actor_optimizer_distributed=busiest["opt_dist"], actor_optimizer_replicated=busiest["opt_repl"],
         use_distributed_optimizer=use_distributed_optimizer, actor_activations=busiest["activations"],
-        actor_logits=busiest["logits"], reference_params=busiest["reference"], train_peak=busiest["peak"],
+        actor_logits=busiest["logits"], actor_wgrad=busiest["wgrad"], reference_params=busiest["reference"],
+        train_peak=busiest["peak"],
         rollout_engine=rollout_engine, rollout_mode=rollout_mode, rollout_tp=rollout_tp_used,
         rollout_weights=weights, rollout_kv_cache=kv, rollout_kv_tokens=max(kv, 0) // per_token,
         rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
@@ -333,18 +369,22 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
 
 
 def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,
-                     overhead_gib: float = 4.0) -> MemoryPlan:
+                     overhead_gib: float = 4.0, backend: str = "te") -> MemoryPlan:
     """The plan of a resolved Config (every field the plan reads is passed by keyword here).
 
     arch: the model the trainer built (`workers.model_arch.model_arch`); None resolves it the same way,
-    with the tokenizer's vocabulary for the tiny presets.
+    with the tokenizer's vocabulary for the tiny presets. backend: the layer spec the GPUs run ("te"
+    with Transformer Engine), which sets the fusions the model.* keys leave at null.
     """
+    from megatron_dapo.models.fusions import FUSIONS, resolve_fusions
+
     if arch is None:
         from megatron_dapo.data.tokenizer import load_tokenizer
         from megatron_dapo.workers.model_arch import model_arch
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size if cfg.model.arch in ("tiny", "tiny_moe") else 0
         arch = model_arch(cfg, vocab_size=vocab)
+    fusions = resolve_fusions(backend, arch=arch, main_grad=True, **{k: getattr(cfg.model, k) for k in FUSIONS})
     par = cfg.parallel
     return plan_memory(
         arch, world_size=cfg.trainer.world_size, tp=par.tensor_model_parallel_size,
@@ -362,7 +402,9 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
         speculative=cfg.rollout.speculative.algorithm is not None,
         max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         rollout_sequences=cfg.data.effective_gen_batch_size * cfg.rollout.n,
-        gpu_memory=int(gpu_memory_gib * GIB), overhead=int(overhead_gib * GIB))
+        gpu_memory=int(gpu_memory_gib * GIB), overhead=int(overhead_gib * GIB),
+        bias_activation_fusion=fusions["bias_activation_fusion"],
+        gradient_accumulation_fusion=fusions["gradient_accumulation_fusion"])
 
 
 # --- verdict and table -------------------------------------------------------------------------
@@ -379,7 +421,8 @@ def check_fits(plan: MemoryPlan) -> None:
             f"actor training (pipeline rank {plan.pp_rank}) needs {_g(plan.train_peak)} > GPU "
             f"{_g(plan.gpu_memory)}: params {_g(plan.actor_params)} + grads {_g(plan.actor_grads)} + "
             f"optimizer {_g(plan.actor_optimizer)} + activations {_g(plan.actor_activations)} + logits "
-            f"{_g(plan.actor_logits)} + reference {_g(plan.reference_params)} + overhead {_g(plan.overhead)}")
+            f"{_g(plan.actor_logits)} + wgrad {_g(plan.actor_wgrad)} + reference {_g(plan.reference_params)} + "
+            f"overhead {_g(plan.overhead)}")
     if plan.rollout_engine == "sglang":
         if plan.rollout_kv_tokens < plan.max_seq_len:
             resident = plan.resident_train_state if plan.rollout_mode == "colocate" else 0
@@ -415,6 +458,8 @@ def format_plan(plan: MemoryPlan) -> str:
          f"{plan.in_flight:g} in flight"),
         ("actor logits", plan.actor_logits,
          "unfused, last stage" if plan.actor_logits else "fused kernels (chunked)"),
+        ("actor wgrad", plan.actor_wgrad,
+         "unfused: largest linear weight's gradient" if plan.actor_wgrad else "gradient_accumulation_fusion"),
         ("reference params", plan.reference_params,
          "frozen copy" if plan.reference_params else "no KL term: none"),
         ("overhead", plan.overhead, "CUDA context, NCCL, fragmentation (--overhead-gb)"),
@@ -448,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
     p.add_argument("--overhead-gb", type=float, default=4.0, help="reserve for CUDA/NCCL/fragmentation, GiB")
+    p.add_argument("--backend", choices=("te", "local"), default="te",
+                   help="layer spec of the GPUs: te (Transformer Engine, the fusions' default on) or local")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     from megatron_dapo.config import ConfigError, load_config
@@ -457,7 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    plan = plan_from_config(cfg, gpu_memory_gib=args.gpu_memory_gb, overhead_gib=args.overhead_gb)
+    try:
+        plan = plan_from_config(cfg, gpu_memory_gib=args.gpu_memory_gb, overhead_gib=args.overhead_gb,
+                                backend=args.backend)
+    except ConfigError as e:      # a fusion the chosen backend cannot run
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(format_plan(plan))
     try:
         check_fits(plan)

@@ -181,7 +181,26 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
         use_distributed_optimizer=False, grad_reduce_in_fp32=True, max_tokens_per_microbatch=30000,
         recompute="selective", fused_logits=False, needs_reference=True, rollout_engine="sglang",
         rollout_mode="disaggregate", rollout_tp=4, gpu_memory_utilization=0.7, speculative=True,
-        max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB)
+        max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB,
+        bias_activation_fusion=True, gradient_accumulation_fusion=True)     # TE's defaults
+    seen.clear()
+    plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "model.bias_activation_fusion=false"),
+                     arch=get_arch("qwen3-30b-a3b"))
+    assert (seen["bias_activation_fusion"], seen["gradient_accumulation_fusion"]) == (False, True)
+    plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml"), arch=get_arch("qwen3-30b-a3b"), backend="local")
+    assert (seen["bias_activation_fusion"], seen["gradient_accumulation_fusion"]) == (False, False)
+
+
+def test_unfused_swiglu_and_weight_gradients_cost_their_closed_forms():
+    # SMALL: f = 16, a = 2 B; unfused SwiGLU also keeps silu(gate), f elements per token and layer.
+    fused = layer_activation_bytes_per_token(SMALL, moe=False, tp=1, etp=1, sequence_parallel=False, act_bytes=2)
+    assert layer_activation_bytes_per_token(SMALL, moe=False, tp=1, etp=1, sequence_parallel=False, act_bytes=2,
+                                            bias_activation_fusion=False) == fused + 2 * 16
+    on, off = _small_plan(), _small_plan(bias_activation_fusion=False, gradient_accumulation_fusion=False)
+    assert off.actor_activations - on.actor_activations == 100 * 2 * 2 * 16       # tokens x layers x a*f
+    # Largest linear weight: the output layer V*h = 32*8 and fc1 2f*h = 2*16*8, both 256 elements of 2 B.
+    assert (on.actor_wgrad, off.actor_wgrad) == (0, 2 * 256)
+    assert off.train_peak - on.train_peak == 100 * 2 * 2 * 16 + 2 * 256
 
 
 def test_cli_exit_codes_fit_refuse_and_config_error(capsys):

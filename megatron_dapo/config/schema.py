@@ -115,6 +115,16 @@ class ModelConfig:
     """Override of the architecture's KV heads (GQA groups)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation of the actor. [recipe: actor_rollout_ref.model.enable_gradient_checkpointing]"""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into DDP's fp32 main_grad; None = on with Transformer Engine, off on the local spec (needs TE)."""
+    apply_rope_fusion: bool | None = None
+    """Fused RoPE kernel; None = on with Transformer Engine, off on the local spec (needs TE)."""
+    bias_activation_fusion: bool | None = None
+    """Fused (bias +) SwiGLU that keeps only its input for backward (saves ffn/TP activation elements per token and layer); None = on with TE, off on the local spec."""
+    bias_dropout_fusion: bool | None = None
+    """Fused bias + dropout + residual add; None = on with TE, off on the local spec."""
+    masked_softmax_fusion: bool | None = None
+    """Fused scale + mask + softmax of the local attention (TE's attention is fused anyway); None = on with TE, off on the local spec."""
 
     def __post_init__(self):
         _check(self.mtp_num_layers >= 0, "model.mtp_num_layers", ">= 0", self.mtp_num_layers)
@@ -477,7 +487,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps before the actor starts updating. [recipe: trainer.critic_warmup]"""
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
-    """Metric sinks: console, tensorboard. [recipe: trainer.logger]"""
+    """Metric sinks: console, tensorboard, wandb, mlflow (the last two are optional extras; configured by their own WANDB_* / MLFLOW_TRACKING_URI variables). [recipe: trainer.logger]"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available."""
     nnodes: int = 1
@@ -503,8 +513,8 @@ class TrainerConfig:
         _check(self.critic_warmup >= 0, "trainer.critic_warmup", ">= 0", self.critic_warmup)
         _check(self.nnodes >= 1, "trainer.nnodes", ">= 1", self.nnodes)
         _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", ">= 1", self.n_gpus_per_node)
-        _check(set(self.logger) <= {"console", "tensorboard"}, "trainer.logger",
-               'a list of "console" and/or "tensorboard"', self.logger)
+        _check(set(self.logger) <= {"console", "tensorboard", "wandb", "mlflow"}, "trainer.logger",
+               'a list of "console", "tensorboard", "wandb", "mlflow"', self.logger)
         _check(self.sft_warmup_steps >= 0, "trainer.sft_warmup_steps", ">= 0", self.sft_warmup_steps)
         _check(0.0 <= self.sft_warmup_target_acc < 1.0, "trainer.sft_warmup_target_acc", "in [0, 1)",
                self.sft_warmup_target_acc)

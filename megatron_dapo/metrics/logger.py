@@ -1,14 +1,26 @@
-"""Per-step metrics sink: TensorBoard event files and a console progress line.
+"""Per-step metrics sink: a console progress line, TensorBoard, Weights & Biases, MLflow.
 
-    with MetricsLogger("runs/exp/tb", total_steps=cfg.trainer.total_training_steps) as logger:
+    with MetricsLogger("runs/exp/tb", backends=cfg.trainer.logger, total_steps=cfg.trainer.total_training_steps,
+                       project="megatron_dapo", experiment="exp", wandb_dir="runs/exp", config=to_dict(cfg)) as logger:
         for step in range(start, total + 1):
             ...
             logger.log(metrics, step=step)
 
-Names are written exactly as given (`critic/score/mean` becomes that TensorBoard tag). Tensor
-values (0-dim or one element) are converted to floats here, once per step, with one host
-transfer per device. Call it on one rank only (rank 0): every rank writing would duplicate
+Backends (`trainer.logger`, verl's names): `console`, `tensorboard` (event files under log_dir),
+`wandb` and `mlflow` (optional extras, imported only when chosen: `pip install 'megatron-dapo[wandb]'`,
+`'megatron-dapo[mlflow]'`). Names are written exactly as given everywhere (`critic/score/mean` is that
+TensorBoard tag, that W&B key and that MLflow metric), with one exception forced by MLflow, which accepts
+only letters, digits and `_ - . space : /` in a name: `@` becomes `_at_` there (verl's mapping:
+`val/x/acc/mean@4` is `val/x/acc/mean_at_4`) and any other refused character `_`; two names that would
+collide are an error. Tensor values (0-dim or one element) are converted to floats here, once per step,
+with one host transfer per device. Call it on one rank only (rank 0): every rank writing would duplicate
 the events.
+
+wandb and mlflow are configured the way their users expect, by their own environment variables:
+`WANDB_MODE=offline` (or `WANDB_API_KEY` for the hosted service, `WANDB_ENTITY`, ...), files under
+`wandb_dir/wandb/`; `MLFLOW_TRACKING_URI` (an MLflow server, or `sqlite:///...` with the full `mlflow`
+package). The run is named `experiment` in the project / experiment `project`; `config` (the resolved
+config) becomes the W&B run config and the MLflow run's parameters (flattened to `section.key`).
 
 Non-finite values (NaN, +-inf) are logged as they are, because hiding a NaN hides the bug; each
 occurrence is counted in `nonfinite_counts` and the first one of each key logs a warning.
@@ -22,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import re
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -31,13 +44,89 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["CONSOLE_KEYS", "MetricsLogger"]
+__all__ = ["BACKENDS", "CONSOLE_KEYS", "MetricsLogger", "mlflow_name"]
 
 _LOG = logging.getLogger(__name__)
 
-BACKENDS = ("console", "tensorboard")
+BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
 # Shown on the console next to step and ETA when present in the step's metrics.
 CONSOLE_KEYS = ("critic/score/mean", "perf/throughput")
+_EXTRA = {"wandb": "wandb", "mlflow": "mlflow"}     # backend -> the pyproject extra that installs it
+_MLFLOW_REFUSED = re.compile(r"[^/\w.\- :]")      # mlflow.utils.validation: names match ^[/\w.\- :]*$
+
+
+def mlflow_name(name: str) -> str:
+    """The MLflow metric name of `name`: `@` -> `_at_`, any other refused character -> `_`."""
+    return _MLFLOW_REFUSED.sub("_", name.replace("@", "_at_"))
+
+
+def _import_backend(backend: str):
+    try:
+        if backend == "wandb":
+            import wandb
+            return wandb
+        import mlflow.entities
+        import mlflow.tracking
+        return mlflow
+    except ImportError as err:
+        raise ImportError(f"trainer.logger: the {backend!r} backend needs the {backend} package, which is not "
+                          f"installed (pip install 'megatron-dapo[{_EXTRA[backend]}]'): {err}") from None
+
+
+class _WandbSink:
+    def __init__(self, *, project: str, experiment: str | None, directory: str | None, config: dict | None):
+        wandb = _import_backend("wandb")
+        self._run = wandb.init(project=project, name=experiment, dir=directory, config=config or {})
+
+    def write(self, values: dict[str, float], step: int) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MlflowSink:
+    BATCH = 1000       # MLflow's limit on metrics per log_batch call (params: 100)
+
+    def __init__(self, *, project: str, experiment: str | None, config: dict | None):
+        mlflow = _import_backend("mlflow")
+        self._entities = mlflow.entities
+        try:
+            self._client = mlflow.tracking.MlflowClient()
+            found = self._client.get_experiment_by_name(project)
+            experiment_id = found.experiment_id if found else self._client.create_experiment(project)
+            self._run_id = self._client.create_run(experiment_id, run_name=experiment).info.run_id
+        except mlflow.exceptions.MlflowException as err:
+            raise RuntimeError(f"trainer.logger: MLflow could not start a run at tracking URI "
+                               f"{mlflow.get_tracking_uri()!r} (set MLFLOW_TRACKING_URI): {err}") from None
+        params = [self._entities.Param(k, str(v)[:500]) for k, v in _flatten(config or {}).items()]
+        for i in range(0, len(params), 100):
+            self._client.log_batch(self._run_id, params=params[i:i + 100])
+        self._names: dict[str, str] = {}    # MLflow name -> the metric name it came from
+
+    def write(self, values: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        metrics = []
+        for key, value in values.items():
+            name = mlflow_name(key)
+            if self._names.setdefault(name, key) != key:
+                raise ValueError(f"metrics {self._names[name]!r} and {key!r} both become MLflow metric {name!r}")
+            metrics.append(self._entities.Metric(name, value, now, step))
+        for i in range(0, len(metrics), self.BATCH):
+            self._client.log_batch(self._run_id, metrics=metrics[i:i + self.BATCH])
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id, "FINISHED")
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 class MetricsLogger:
@@ -47,9 +136,13 @@ class MetricsLogger:
         self,
         log_dir: str | None,
         *,
-        backends: Iterable[str] = BACKENDS,
+        backends: Iterable[str] = ("console", "tensorboard"),
         total_steps: int | None = None,
         stream: TextIO | None = None,
+        project: str = "megatron_dapo",
+        experiment: str | None = None,
+        wandb_dir: str | None = None,
+        config: dict | None = None,
     ) -> None:
         self.backends = tuple(backends)
         unknown = [b for b in self.backends if b not in BACKENDS]
@@ -60,12 +153,21 @@ class MetricsLogger:
         self.total_steps = total_steps
         self._stream = stream if stream is not None else sys.stdout
         self._writer = None
+        if "tensorboard" in self.backends and not log_dir:
+            raise ValueError("log_dir: the tensorboard backend needs a directory, got None")
+        for backend in ("wandb", "mlflow"):     # a missing package fails before any sink starts
+            if backend in self.backends:
+                _import_backend(backend)
         if "tensorboard" in self.backends:
-            if not log_dir:
-                raise ValueError("log_dir: the tensorboard backend needs a directory, got None")
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is a heavy import
 
             self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._sinks = []
+        if "wandb" in self.backends:
+            self._sinks.append(_WandbSink(project=project, experiment=experiment, directory=wandb_dir,
+                                          config=config))
+        if "mlflow" in self.backends:
+            self._sinks.append(_MlflowSink(project=project, experiment=experiment, config=config))
         self.log_dir = log_dir
         self._bar = None  # tqdm bar, created at the first step when the stream is a terminal
         self._first: tuple[int, float] | None = None  # (step, time) of the first log, for the ETA
@@ -95,6 +197,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, global_step=int(step))
             self._writer.flush()
+        for sink in self._sinks:
+            sink.write(values, int(step))
         if "console" in self.backends:
             self._console(values, int(step))
         return values
@@ -106,6 +210,8 @@ class MetricsLogger:
         self._closed = True
         if self._writer is not None:
             self._writer.close()
+        for sink in self._sinks:
+            sink.close()
         if self._bar is not None:
             self._bar.close()
 

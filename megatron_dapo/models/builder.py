@@ -35,6 +35,7 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_dapo.models.arch import ModelArch, check_layout
+from megatron_dapo.models.fusions import resolve_fusions
 
 __all__ = ["build_transformer_config", "layer_spec", "build_gpt_model", "build_gpt_model_chunks",
            "default_backend", "LayerSpecs", "TorchNorm", "CausalGPTModel"]
@@ -58,6 +59,7 @@ def build_transformer_config(
 
     sequence_parallel: None means on whenever tp > 1 (required by Megatron for MoE with TP).
     init_weights=False skips random initialisation (weights will be loaded).
+    Fusions default per backend (`models.fusions.resolve_fusions`: on with "te", off with "local").
     overrides: extra TransformerConfig fields (recompute, fusions, ...), applied last.
     Raises ValueError for layouts the architecture cannot be split into.
     """
@@ -96,9 +98,10 @@ def build_transformer_config(
         # Interleaved PP with batched p2p pairs the two sends to one peer in the wrong order on
         # gloo: no error, wrong gradients from microbatch 3 on (notes, PP section).
         batch_p2p_comm=vpp is None,
-        # These fusions need Apex / TE kernels; TE's attention is fused regardless.
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        # Megatron's fusions: on with TE, off with the local spec (models/fusions.py). A bare model has
+        # no DDP main_grad, so gradient_accumulation_fusion stays off here; build_actor's overrides
+        # turn it on and apply the model.* keys.
+        **resolve_fusions(backend, arch=arch, device_type=device.type),
         mtp_num_layers=arch.mtp_num_layers or None,
         # Set for dense models too: Megatron's default ("allgather") refuses variable_seq_lengths,
         # which pipeline parallelism with token-budget micro-batches needs, even without experts.

@@ -208,6 +208,7 @@ class SGLangWeightSync:
         self._fanout = None  # ipc: senders + node leaders
         self._fanout_ranks: list[int] = []
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
+        self._error: str | None = None  # this rank's first failure of the current collective step
 
     # ------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -220,10 +221,14 @@ class SGLangWeightSync:
             for stage in range(pgs.pp_size):  # in turn: a server joins one group at a time
                 if pgs.pp_rank == stage and self.sender:
                     name = f"{self.group_prefix}_{token[0]}_pp{stage}"
-                    self._group, self._store = _open_group(self.servers, host=self.host, group_name=name,
-                                                           backend=self.backend, timeout_s=self.timeout_s)
-                    self._group_name = name
-                self._barrier()
+
+                    def open_group(name=name):
+                        self._group, self._store = _open_group(self.servers, host=self.host, group_name=name,
+                                                               backend=self.backend, timeout_s=self.timeout_s)
+                        self._group_name = name
+
+                    self._guard(open_group, f"open the weight-update group of stage {stage}")
+                self._agree()
             return
         # ipc: every rank learns who the senders and node leaders are, then all create the fan-out group.
         roles = [None] * pgs.world_size
@@ -240,38 +245,60 @@ class SGLangWeightSync:
             # (the default file descriptors open only in the sender's own children).
             torch.multiprocessing.set_sharing_strategy("file_system")
 
-    def _barrier(self) -> None:
-        if self.pgs.world_size > 1:
-            dist.barrier(group=self.pgs.ctrl)
-
     # ------------------------------------------------------------------------------------ one sync
     def sync(self, version: int) -> SyncStats:
-        """Every tensor of every stage to every server, then the version; a collective of all ranks."""
+        """Every tensor of every stage to every server, then the version; a collective of all ranks.
+
+        A failure on one rank (a server refusing a bucket, a dead server) never leaves the others
+        waiting: that rank keeps taking part in its stage's gathers and fan-out without sending, and at
+        the end of the stage every rank raises the same WeightSyncError naming the rank and the server."""
         t0 = time.perf_counter()
         stats, pgs = SyncStats(), self.pgs
         traffic: dict[str, int] = {}
+        self._error: str | None = None
         if pgs.rank == 0 and self.session is not None:
-            self.session("begin")
-        self._barrier()
+            self._guard(lambda: self.session("begin"), "begin the weight-update session")
+        self._agree()
         for stage in range(pgs.pp_size):
             in_stage = pgs.pp_rank == stage
             buckets = self._stage_buckets(stats, traffic) if in_stage else iter(())
             if self.transport == "distributed":
                 for bucket in buckets:
-                    if self.sender:
-                        self._send_bucket(bucket, stats)
-                if in_stage and self.sender and stage == pgs.pp_size - 1:
-                    self._post_distributed([], version=version)  # flush the cache, set the version
+                    if self.sender and self._error is None:
+                        self._guard(lambda b=bucket: self._send_bucket(b, stats), f"stage {stage}")
+                if in_stage and self.sender and stage == pgs.pp_size - 1 and self._error is None:
+                    # flush the cache, set the version
+                    self._guard(lambda: self._post_distributed([], version=version), f"stage {stage}")
             elif self._fanout is not None or in_stage:
                 self._fan_out(buckets, stage=stage, version=version, last_stage=stage == pgs.pp_size - 1,
                               stats=stats)
-            self._barrier()
+            self._agree()
         if pgs.rank == 0 and self.session is not None:
-            self.session("end")
-        stats.bytes_gathered = traffic.get("received", 0)
+            self._guard(lambda: self.session("end"), "end the weight-update session")
+        self._agree()
+        stats.bytes_gathered += traffic.get("received", 0)
         stats.bytes_sent += traffic.get("sent", 0)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _guard(self, fn, what: str) -> None:
+        """Run fn; keep its error (the first) for _agree instead of leaving the collectives."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+            if self._error is None:
+                self._error = f"rank {self.pgs.rank} ({what}): {type(e).__name__}: {e}"
+
+    def _agree(self) -> None:
+        """A barrier that also carries errors: every rank raises the same WeightSyncError."""
+        if self.pgs.world_size == 1:
+            errors = [self._error]
+        else:
+            errors = [None] * self.pgs.world_size
+            dist.all_gather_object(errors, self._error, group=self.pgs.ctrl)
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise WeightSyncError("weight sync failed: " + "; ".join(failed))
 
     def _stage_buckets(self, stats: SyncStats, traffic: dict):
         """Buckets of whole parameters (a parameter's HF pieces stay together), cut at bucket_bytes by
@@ -334,11 +361,9 @@ class SGLangWeightSync:
                                                 for _ in range(self.servers.tp_sizes[i])],
                                                flush_cache=flush, weight_version=str(version) if flush else None)
                       for i in mine]
-            try:
-                post_all([self.servers.urls[i] for i in mine], "/update_weights_from_tensor", bodies,
-                         timeout_s=self.timeout_s)
-            except WeightSyncError as e:
-                raise WeightSyncError(f"pipeline stage {stage}, node {self.node}: {e}") from e
+            if self._error is None:
+                self._guard(lambda: post_all([self.servers.urls[i] for i in mine], "/update_weights_from_tensor",
+                                             bodies, timeout_s=self.timeout_s), f"stage {stage}, node {self.node}")
             # The servers replied: they hold their own copies (or device views they opened), so the
             # bucket's tensors may be freed when this returns.
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from megatron_dapo.config import Config, ConfigError, to_yaml
+from megatron_dapo.config import Config, ConfigError, to_dict, to_yaml
 
 log = logging.getLogger("megatron_dapo")
 
@@ -239,7 +239,10 @@ def build_parts(cfg: Config):
         from megatron_dapo.workers.model_arch import model_arch
 
         gib = torch.cuda.get_device_properties(pgs.device).total_memory / 2**30
-        plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=tokenizer.vocab_size), gpu_memory_gib=gib)
+        from megatron_dapo.models.builder import default_backend
+
+        plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=tokenizer.vocab_size), gpu_memory_gib=gib,
+                                backend=default_backend(pgs.device))
         log.info("memory plan:\n%s", format_plan(plan))
         check_fits(plan)
     train, val = _datasets(cfg, tokenizer)
@@ -253,7 +256,9 @@ def build_parts(cfg: Config):
     logger = None
     if pgs.rank == 0:
         logger = MetricsLogger(os.path.join(cfg.run_dir, "tb") if "tensorboard" in cfg.trainer.logger else None,
-                               backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps)
+                               backends=tuple(cfg.trainer.logger), total_steps=cfg.trainer.total_training_steps,
+                               project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
+                               wandb_dir=cfg.run_dir, config=to_dict(cfg))
     parts = TrainerParts(actor=actor, engine=_engine(cfg, actor, pgs, tokenizer), tokenizer=tokenizer,
                          reward_manager=rm, train_data=train, val_data=val, sampler=sampler, logger=logger, pgs=pgs,
                          adv_fn=get_adv_estimator_fn(cfg.algorithm.adv_estimator), kl_ctrl=kl_ctrl,

@@ -18,8 +18,14 @@ from megatron_dapo.workers.model_arch import model_arch
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _config_overrides(cfg: Config) -> dict:
+def _config_overrides(cfg: Config, arch: ModelArch, pgs) -> dict:
+    from megatron_dapo.models.builder import default_backend
+    from megatron_dapo.models.fusions import FUSIONS, resolve_fusions
+
     out = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scaling_factor}
+    # Trained through Megatron DDP (main_grad), so gradient_accumulation_fusion may be on too.
+    out.update(resolve_fusions(default_backend(pgs.device), arch=arch, main_grad=True, device_type=pgs.device.type,
+                               **{name: getattr(cfg.model, name) for name in FUSIONS}))
     if cfg.actor.router_replay:
         out["moe_enable_routing_replay"] = True
     if cfg.parallel.pipeline_model_parallel_size > 1:
@@ -35,7 +41,7 @@ def build_model_chunks(cfg: Config, arch: ModelArch, pgs, *, seed: int) -> list:
 
     chunks = build_gpt_model_chunks(arch, pgs=pgs, seed=seed, params_dtype=_DTYPES[cfg.model.params_dtype],
                                     sequence_parallel=cfg.parallel.sequence_parallel,
-                                    config_overrides=_config_overrides(cfg))
+                                    config_overrides=_config_overrides(cfg, arch, pgs))
     if cfg.model.hf_path:
         from megatron_dapo.models.hf import load_hf_weights_into
 

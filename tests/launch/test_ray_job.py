@@ -166,3 +166,15 @@ def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(r
     bad = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.no_such_key=1", **env)
     assert bad.returncode != 0
     assert "trainer.no_such_key" in bad.stdout + bad.stderr
+
+
+def test_the_job_package_holds_every_tracked_file():
+    """Ray packs WORKING_DIR minus .gitignore's patterns, applied to every file (tracked or not): an
+    unanchored `models/` there once dropped megatron_dapo/models from every job, and the job then imported
+    whatever copy of the package the cluster's image had, or failed."""
+    from ray._private.thirdparty.pathspec import PathSpec
+
+    spec = PathSpec.from_lines("gitwildmatch", (REPO / ".gitignore").read_text().splitlines())
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    assert any(f.startswith("megatron_dapo/models/") for f in tracked)
+    assert [f for f in tracked if spec.match_file(f)] == []

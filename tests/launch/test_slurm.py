@@ -175,3 +175,65 @@ def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_
     for node in nodes:
         log = (tmp_path / "logs" / "777" / f"node-{node}.log").read_text()
         assert f"output of torchrun on {node}" in log and f"output of ray on {node}" in log
+
+
+# --- DRY_RUN=1 where there is no Slurm at all -------------------------------------------------------
+
+def _no_slurm_env(**changes):
+    """The environment of a laptop: no SLURM_* variables, no sbatch / srun / scontrol on PATH."""
+    path = [d for d in os.environ["PATH"].split(os.pathsep)
+            if not any((Path(d) / tool).exists() for tool in ("sbatch", "srun", "scontrol"))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RAY_", "DRY_RUN"))}
+    return {**env, "PATH": os.pathsep.join(path), **changes}
+
+
+SBATCH_TARGETS = {"train-dapo-32b": "configs/dapo_qwen2.5_32b.yaml",
+                  "train-dapo-32b-wo-ds": "configs/dapo_wo_ds_qwen2.5_32b.yaml",
+                  "train-dapo-32b-early": "configs/dapo_early_qwen2.5_32b.yaml",
+                  "train-moe": "configs/dapo_qwen3_30b_a3b.yaml"}
+MADE_UP = [f"dryrun-node-{i:02d}" for i in range(1, 17)]
+
+
+@pytest.mark.parametrize("target, recipe", SBATCH_TARGETS.items())
+def test_make_dry_run_without_slurm_previews_the_headers_16_nodes(target, recipe, tmp_path):
+    proc = subprocess.run(["make", "-s", target, "ARGS=actor.lr=2e-6"], cwd=REPO, capture_output=True, text=True,
+                          env=_no_slurm_env(DRY_RUN="1"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# dry run outside Slurm: MADE-UP nodes dryrun-node-01 .. dryrun-node-16 and head "
+                               "address 192.0.2.1 (documentation range)")
+    assert "#SBATCH --nodes=16 --gpus-per-node=8" in lines[0]
+    headers = [HEADER.match(line).groups() for line in lines if HEADER.match(line)]
+    assert [(h[2], h[3], h[4]) for h in headers] == [(n, str(i), "8") for i, n in enumerate(MADE_UP)]
+    cmds = _commands(proc.stdout)
+    ((_, head, argv, _),) = cmds["ray-head"]
+    assert head == MADE_UP[0] and "--node-ip-address=192.0.2.1" in argv and "--num-gpus=8" in argv
+    assert [n for _, n, _, _ in cmds["ray-worker"]] == MADE_UP[1:]
+    assert [n for _, n, _, _ in cmds["trainer"]] == MADE_UP
+    for _, node, argv, log in cmds["trainer"]:
+        assert argv[argv.index("torchrun"):] == [
+            "torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
+            "--rdzv_endpoint=192.0.2.1:29500", "--rdzv_id=dryrun", "--max_restarts=0", "-m", "megatron_dapo.train",
+            "--config", recipe, "trainer.nnodes=16", "trainer.n_gpus_per_node=8", "actor.lr=2e-6"]
+        assert log == f"logs/dryrun/node-{node}.log"
+    assert not (REPO / "logs" / "dryrun").exists()          # ran nothing
+
+
+def test_the_preview_follows_the_scripts_own_header(tmp_path):
+    script = tmp_path / "four.sbatch"
+    text = SBATCH.read_text().replace("#SBATCH --nodes=16", "#SBATCH --nodes=4").replace(
+        "#SBATCH --gpus-per-node=8", "#SBATCH --gpus-per-node=2")
+    script.write_text(text)
+    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
+                          env=_no_slurm_env(REPO_DIR=str(REPO), HEAD_IP="10.1.2.3"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    trainers = [line for line in proc.stdout.splitlines() if "] trainer: " in line]
+    assert [line.split()[2].rstrip("]") for line in trainers] == MADE_UP[:4]
+    assert all("--nnodes=4 --nproc_per_node=2" in line and "--rdzv_endpoint=10.1.2.3:29500" in line
+               for line in trainers)
+
+
+def test_without_slurm_a_real_launch_still_refuses(tmp_path):
+    proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, capture_output=True, text=True,
+                          env=_no_slurm_env(REPO_DIR=str(REPO)), timeout=60)
+    assert proc.returncode != 0 and "not inside a Slurm allocation: submit with sbatch (or DRY_RUN=1" in proc.stderr
