@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import pathlib
+import re
 import subprocess
 import sys
 
