@@ -313,6 +313,8 @@ class RolloutConfig:
     """How SGLang servers get the weights: distributed = one weight-update process group per pipeline stage (NCCL; gloo on CPU), for servers on other GPUs or nodes; ipc = each node's first trainer rank posts CUDA IPC handles to the servers on its node (colocated: NCCL refuses two ranks on one GPU); auto = ipc for mode=colocate on CUDA, else distributed."""
     weight_sync_timeout_s: float = 600.0
     """Longest wait for the servers in one weight-sync step (joining a group, loading a bucket)."""
+    sglang_server_nodes: list[int] = field(default_factory=list)
+    """Trainer node (torchrun node rank) each of rollout.sglang_urls runs on, for weight_transport=ipc; empty = found by matching each URL's host with the nodes' addresses (loopback: node 0)."""
     weight_sync_host: str = ""
     """Address the servers reach the trainer's weight senders at (their TCP stores); empty = loopback when every server is on loopback, else the interface that routes to the first server."""
     max_concurrency: int = 256

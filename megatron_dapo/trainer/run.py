@@ -105,8 +105,9 @@ def weight_transport(cfg: Config, pgs) -> str:
     return t
 
 
-def _server_set(engine, pgs):
-    """The servers rank 0 drives, known on every rank (URLs, TP sizes, the node each runs on)."""
+def _server_set(engine, pgs, nodes_given=()):
+    """The servers rank 0 drives, known on every rank (URLs, TP sizes, the node each runs on: given by
+    rollout.sglang_server_nodes, else found from the URLs' hosts)."""
     import socket
     from urllib.parse import urlparse
 
@@ -119,6 +120,11 @@ def _server_set(engine, pgs):
     if pgs.world_size > 1:
         torch.distributed.broadcast_object_list(info, src=0, group=pgs.ctrl)
     urls, tp_sizes = info[0]
+    if nodes_given:
+        if len(nodes_given) != len(urls):
+            raise ConfigError("rollout.sglang_server_nodes", f"one node index per server ({len(urls)}), got "
+                                                             f"{list(nodes_given)}")
+        return ServerSet(urls=urls, tp_sizes=tp_sizes, nodes=tuple(int(n) for n in nodes_given))
     # A server runs on the node whose first rank owns its host address (loopback: node 0).
     node = int(os.environ.get("GROUP_RANK", 0))
     mine = set()
@@ -152,7 +158,7 @@ def weight_sync(cfg: Config, parts):
 
     r, pgs, engine = cfg.rollout, parts.pgs, parts.engine
     transport = weight_transport(cfg, pgs)
-    servers = _server_set(engine, pgs)
+    servers = _server_set(engine, pgs, r.sglang_server_nodes)
     if transport == "ipc" and -1 in servers.nodes:
         raise WeightSyncError(f"rollout.weight_transport=ipc: servers {servers.urls} are not all on a trainer node "
                               f"(nodes {servers.nodes}); use rollout.weight_transport=distributed")

@@ -102,6 +102,7 @@ def dense(tmp_path_factory):
         s.stop()
 
 
+@pytest.mark.timeout(1500)  # 4 trainer + 2 server processes on 2 cores: minutes, more on a loaded machine
 @pytest.mark.multiproc
 def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(dense):
     tmp, hf_dir, urls, servers = dense
@@ -165,6 +166,7 @@ def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(de
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.multiproc
 def test_tp2_ep2_moe_trains_3_steps_with_every_expert_at_every_server(tmp_path):
     """The MoE recipe's shape: TP 2 x EP 2 with expert-TP 1 (sequence parallel): every expert of both EP
@@ -184,6 +186,7 @@ def test_tp2_ep2_moe_trains_3_steps_with_every_expert_at_every_server(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.multiproc
 def test_pp2_dp2_with_virtual_stages_trains_3_steps(dense, tmp_path):
     """PP 2 x DP 2 with 2 virtual stages per rank: each rank's two chunks stream through its stage's
@@ -223,6 +226,55 @@ def test_a_server_killed_mid_generation_fails_the_run_with_a_named_error_not_a_h
         for rank in (0, 1):  # the same named error on both ranks, not a dropped connection on rank 1
             assert re.search(rf"\[rank{rank}\]: \S*(DriverError|WeightSyncError): .*{re.escape(servers[1].url)}", out), \
                 out[-3000:]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.multiproc
+def test_colocated_ipc_transport_reaches_every_server_from_the_node_leader(dense, tmp_path):
+    """rollout.weight_transport=ipc (colocated; on CPU the handles are shared-memory file names, like CUDA
+    IPC handles node-local): TP 2 on one node, whose first rank posts every bucket to both servers."""
+    _, hf_dir, urls, _ = dense
+    layout = ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2", "rollout.weight_transport=ipc",
+              "trainer.total_training_steps=2"]
+    scalars, report, stats = _launch(tmp_path / "ipc", _overrides(hf_dir, urls, *layout), 2, 29800 + os.getpid() % 100)
+    _check_every_step(scalars, report, [1, 2])
+    assert [s["tensors"] for s in stats[0]] == [report[0]["expected"]] * 3 and all(s["tensors"] == 0 for s in stats[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.multiproc
+def test_ipc_transport_across_two_nodes_feeds_each_nodes_servers_from_its_leader(tmp_path):
+    """Two torchrun agents on one host as two nodes (TP 2 x PP 2: stage 0 on node 0, stage 1 on node 1), one
+    server per node (rollout.sglang_server_nodes): each stage's sender broadcasts its buckets to the other
+    node's leader, and every node's leader posts them to its own server only."""
+    hf_dir = _hf_model(tmp_path, "dense")
+    servers = _servers(tmp_path, hf_dir)
+    try:
+        urls = [s.url for s in servers]
+        overrides = _overrides(hf_dir, urls, "trainer.nnodes=2", "trainer.n_gpus_per_node=2",
+                               "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                               "rollout.weight_transport=ipc", "rollout.sglang_server_nodes=[0,1]",
+                               "trainer.total_training_steps=2")
+        out = tmp_path / "two_nodes"
+        out.mkdir()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        port = 29850 + os.getpid() % 100
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                    str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                                    str(port), str(ROOT / "tests/trainer/_mp_cluster.py"), str(out), *overrides],
+                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for node in (0, 1)]
+        logs = [a.communicate(timeout=900)[0] for a in agents]
+        assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+        report = json.loads((out / "report.json").read_text())
+        assert [e["version"] for e in report] == [0, 1, 2] and all(not e["mismatch"] for e in report), report
+        # Every bucket reached each server exactly once (node 0's leader posts to server 0, node 1's to server 1).
+        counts = [len(s.requests("/update_weights_from_tensor")) for s in servers]
+        assert counts[0] == counts[1] > 0, counts
     finally:
         for s in servers:
             s.stop()
