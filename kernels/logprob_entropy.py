@@ -285,23 +285,25 @@ def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Ten
     return local.clamp(0, v - 1), owned
 
 
-def chunk_stats(z: Tensor, col: Tensor, owned: Tensor, out: Tensor, sum_sq: bool) -> Tensor:
-    """Fill out[:, k] = m, s, t, zy (, q) of the fp32 logits z [C, V] of one chunk; returns
-    e = exp(z - m) [C, V] (the second buffer) and leaves z - m in z's buffer.
+def chunk_stats(z: Tensor, col: Tensor, owned: Tensor, out: Tensor, entropy: bool, sum_sq: bool) -> None:
+    """Fill out[:, k] = m, s, t, zy (, q) of the fp32 logits z [C, V] of one chunk (t only when
+    `entropy`, else left as is); consumes z's buffer.
 
-    Row dot products go through bmm ([C, 1, V] x [C, V, 1]) so that t and q need no third buffer.
-    Shared by every torch-path caller, so their statistics agree bit for bit."""
+    With entropy, e = exp(z - m) needs a second [C, V] buffer (t pairs it with z - m); without,
+    the exponential is taken in place. Row dot products go through bmm ([C, 1, V] x [C, V, 1]),
+    which needs no temporary. Shared by every torch-path caller, and z, m, s and zy (so the
+    log-probs) come out of the same operations whatever the flags: bit for bit the same values."""
     zy = z.gather(1, col[:, None]).squeeze(1)
     m = z.max(dim=1).values
     zs = z.sub_(m[:, None])
-    e = zs.exp()
+    e = zs.exp() if entropy else zs.exp_()
     out[:, 0] = m
     out[:, 1] = e.sum(dim=1)
-    out[:, 2] = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1)
+    if entropy:
+        out[:, 2] = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1)
     out[:, 3] = torch.where(owned, zy, torch.zeros_like(zy))
     if sum_sq:
         out[:, 4] = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1)
-    return e
 
 
 def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
@@ -310,19 +312,21 @@ def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size, scratch_bytes, sum_sq):
-    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each; two fp32 [C, V] buffers live at a time."""
+def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size, scratch_bytes, entropy,
+                       sum_sq):
+    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); at most two fp32
+    [C, V] buffers live at a time."""
     (n, _), v = hidden.shape, weight.shape[0]
     # no copy for fp32 inputs; 16-bit ones are upcast once (CPU torch has no bf16 GEMM with an fp32
     # result), so their products are exact and accumulate in fp32, as in the triton kernel
     h32, w32 = hidden.float(), weight.float()
     col, owned = _local_target(labels, vocab_start, v)
-    stats = torch.empty(n, 5 if sum_sq else 4, dtype=torch.float32, device=hidden.device)
+    stats = torch.zeros(n, 5 if sum_sq else 4, dtype=torch.float32, device=hidden.device)
     chunk = torch_chunk_tokens(v, chunk_size, scratch_bytes)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         z = chunk_logits(h32[c0:c1], w32, temperature)  # [C, V]
-        chunk_stats(z, col[c0:c1], owned[c0:c1], stats[c0:c1], sum_sq)
+        chunk_stats(z, col[c0:c1], owned[c0:c1], stats[c0:c1], entropy, sum_sq)
         del z  # both [C, V] buffers go before the next chunk allocates its own
     return tuple(stats.t()[:, None, :].unbind(0))
 
@@ -339,20 +343,20 @@ def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voca
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         z = chunk_logits(h32[c0:c1], w32, temperature)
-        dz = (z - lse[c0:c1, None]).exp_()  # p
-        if g_ent is not None:  # coefficient g_lp + g_ent (z - Ez), built in z's buffer
-            coef = z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])
-        else:
-            coef = g_lp[c0:c1, None]
-        dz.mul_(coef).neg_()
+        if g_ent is not None:  # p in a second buffer, the coefficient g_lp + g_ent (z - Ez) in z's
+            dz = (z - lse[c0:c1, None]).exp_()
+            dz.mul_(z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])).neg_()
+        else:  # -g_lp p, in z's buffer
+            dz = z.sub_(lse[c0:c1, None]).exp_().mul_(g_lp[c0:c1, None].neg())
         hit = torch.where(owned[c0:c1], g_lp[c0:c1], torch.zeros_like(g_lp[c0:c1]))
         dz.scatter_add_(1, col[c0:c1, None], hit[:, None])
-        dz.div_(temperature)
+        if temperature != 1.0:
+            dz.div_(temperature)
         if need_hidden:
             torch.mm(dz, w32, out=grad_hidden[c0:c1])
         if need_weight:
             grad_weight.addmm_(dz.t(), h32[c0:c1])
-        del z, dz, coef
+        del z, dz
     return (grad_hidden.to(hidden.dtype) if need_hidden else None,
             grad_weight.to(weight.dtype) if need_weight else None)
 
@@ -396,12 +400,13 @@ def _vocab_start(weight: Tensor, tp_group) -> int:
 
 
 def _forward_stats(hidden, weight, labels, temperature, chunk_size, scratch_bytes, tp_group, use_triton,
-                   sum_sq):
-    """(logprobs, entropy, sum_sq or None, lse, ez) [N] fp32: the one forward every caller runs."""
+                   entropy, sum_sq):
+    """(logprobs, entropy, sum_sq or None, lse, ez) [N] fp32: the one forward every caller runs.
+    Without `entropy` the torch path skips t, and entropy and ez are then meaningless."""
     vocab_start = _vocab_start(weight, tp_group)
     local = (_triton_local_stats(hidden, weight, labels, temperature, vocab_start, sum_sq) if use_triton
              else _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size,
-                                     scratch_bytes, sum_sq))
+                                     scratch_bytes, entropy, sum_sq))
     m, s, t, zy, q = _merge_partials(*local)
     if _tp_size(tp_group) > 1:
         m, s, t, zy, q = _reduce_across_tp(m, s, t, zy, q, tp_group)
@@ -413,16 +418,18 @@ def _forward_stats(hidden, weight, labels, temperature, chunk_size, scratch_byte
 class _LogprobStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, chunk_size, scratch_bytes, tp_group, use_triton,
-                sum_sq):
-        logprobs, entropy, sq, lse, ez = _forward_stats(hidden, weight, labels, temperature, chunk_size,
-                                                        scratch_bytes, tp_group, use_triton, sum_sq)
+                entropy, sum_sq):
+        logprobs, ent, sq, lse, ez = _forward_stats(hidden, weight, labels, temperature, chunk_size,
+                                                    scratch_bytes, tp_group, use_triton, entropy, sum_sq)
         ctx.save_for_backward(hidden, weight, labels, lse, ez)
         ctx.cfg = (temperature, chunk_size, scratch_bytes, tp_group, use_triton, _vocab_start(weight, tp_group))
         ctx.set_materialize_grads(False)
+        if not entropy:  # the caller returns None for it, so no gradient can reach it
+            ctx.mark_non_differentiable(ent)
         if sq is None:
-            return logprobs, entropy
+            return logprobs, ent
         ctx.mark_non_differentiable(sq)
-        return logprobs, entropy, sq
+        return logprobs, ent, sq
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, *unused_sum_sq_grad):
@@ -430,7 +437,7 @@ class _LogprobStats(torch.autograd.Function):
         temperature, chunk_size, scratch_bytes, tp_group, use_triton, vocab_start = ctx.cfg
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_ent is None) or not (need_hidden or need_weight):
-            return (None,) * 9
+            return (None,) * 10
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         grads = _triton_grads if use_triton else _torch_grads
@@ -439,7 +446,7 @@ class _LogprobStats(torch.autograd.Function):
         if need_hidden and _tp_size(tp_group) > 1:
             # every shard contributes dz_shard @ weight_shard to the replicated hidden
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=tp_group)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,7 +551,7 @@ def fused_logprob_stats(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     args = (hidden, weight, labels.long().contiguous(), float(temperature), chunk_size, scratch_bytes,
-            tp_group, use_triton, bool(compute_sum_sq))
+            tp_group, use_triton, bool(compute_entropy), bool(compute_sum_sq))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         logprobs, entropy, *sq = _LogprobStats.apply(*args)
         sum_sq = sq[0] if sq else None

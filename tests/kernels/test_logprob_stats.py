@@ -91,6 +91,11 @@ def test_no_grad_and_grad_logprobs_are_bitwise_equal(backend, dtype, request):
         assert torch.equal(a, b.detach()), name
     # grad mode on but no input requiring grad: the no-grad path as well
     assert torch.equal(fused_logprob_stats(hidden, weight, labels, **kwargs)[0], old[0])
+    # the reference pass (log-probs only) and a training pass without entropy: the same log-probs
+    with torch.no_grad():
+        ref = fused_logprob_stats(hidden, weight, labels, temperature=0.8, compute_entropy=False, backend=backend)
+    train = fused_logprob_stats(h, w, labels, temperature=0.8, compute_entropy=False, backend=backend)
+    assert torch.equal(ref[0], old[0]) and torch.equal(train[0].detach(), old[0])
 
 
 def test_no_grad_path_saves_nothing_for_backward():
