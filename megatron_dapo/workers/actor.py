@@ -60,8 +60,9 @@ class Actor:
         """record (update_policy_on_policy): {"buf": [K, N_local] this rank's token buffer receiving the
         detached log-probs (and sum p^2 when "sq"), "sq": bool}; old_log_prob is then logp.detach()."""
         cfg = self.cfg
-        if mb.is_filler:
-            # No row, no token, no share of any denominator; the backward still runs (partners).
+        if not mb.token_index.numel():
+            # A filler (or rows without a response token): no loss, no token, no share of any
+            # denominator; the backward still runs (MoE all-to-all and pipeline partners).
             return output.sum() * 0.0, {}
         rows = mb.rows
         want_sq = record is not None and record["sq"]

@@ -274,10 +274,11 @@ def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor,
                       token_pos=token_pos, **extra)
 
 
-def filler_microbatch(*, pad_id: int, seq_multiple: int = 1, packed: bool = False) -> MicroBatch:
-    """A micro-batch of padding only (no row, no token): max(2, seq_multiple) rounded positions, two
-    so that Megatron's per-micro-batch MTP normalisation has a token after its shift."""
-    n = _round_up(2, seq_multiple)
+def filler_microbatch(*, pad_id: int, seq_multiple: int = 1, packed: bool = False, length: int = 2) -> MicroBatch:
+    """A micro-batch of padding only (no row, no token) of `length` positions rounded to seq_multiple; at
+    least two, so that Megatron's per-micro-batch MTP normalisation keeps a token after each shift
+    (the policy passes mtp_num_layers + 1)."""
+    n = _round_up(max(2, length), seq_multiple)
     empty = torch.zeros(0, dtype=torch.long)
     extra = dict(cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n) if packed else {}
     return MicroBatch(rows=empty, input_ids=torch.full((1, n), pad_id, dtype=torch.long),

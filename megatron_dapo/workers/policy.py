@@ -112,6 +112,7 @@ class PolicyModel:
         # Sequence parallelism splits the sequence (bshd: S, thd: the packed total) over the TP ranks.
         self.sequence_parallel = bool(unwrap_model(model_chunks[0]).config.sequence_parallel) and pgs.tp_size > 1
         self.seq_multiple = pgs.tp_size if self.sequence_parallel else 1
+        self.filler_tokens = 1 + (unwrap_model(model_chunks[-1]).config.mtp_num_layers or 1)
 
     # -- planning ----------------------------------------------------------------------------------
     def row_groups(self, num_rows: int) -> list[list[int]]:
@@ -148,7 +149,8 @@ class PolicyModel:
         for (mine, mlens, bins), count in zip(local_bins, counts):
             for b in split_bins(bins, mlens, count, packed=self.packed):
                 if not b:
-                    mb = filler_microbatch(pad_id=self.pad_id, seq_multiple=self.seq_multiple, packed=self.packed)
+                    mb = filler_microbatch(pad_id=self.pad_id, seq_multiple=self.seq_multiple, packed=self.packed,
+                                           length=self.filler_tokens)
                 else:
                     mb = build_microbatch([mine[i] for i in b], prompt_ids, prompt_length, responses, response_length,
                                           pad_id=self.pad_id, seq_multiple=self.seq_multiple, packed=self.packed)
@@ -185,9 +187,10 @@ class PolicyModel:
         if training and inner.config.mtp_num_layers:
             # Megatron computes the MTP loss from the labels (response targets only: loss_mask) and adds
             # its gradient through the hidden states; the main head's input is what this pass needs.
+            mask, scale = _mtp_loss_mask(mb, inner.config.mtp_num_layers)
             captured: list = []
-            with _main_head_captured(inner, captured, tp=self.pgs.tp_size):
-                model(ids, pos, None, labels=mb.labels.to(dev), loss_mask=mb.response_label_mask().to(dev), **kw)
+            with _main_head_captured(inner, captured, tp=self.pgs.tp_size), _mtp_loss_scaled(inner.config, scale):
+                model(ids, pos, None, labels=mb.labels.to(dev), loss_mask=mask.to(dev), **kw)
             return captured[0].transpose(0, 1)
         with _output_layer_bypassed(inner):
             return model(ids, pos, None, **kw)
@@ -278,7 +281,7 @@ class PolicyModel:
         def loss_func(mb, output):
             if record:
                 routing.collect_routing(routers, mb, recorded)
-            if not mb.is_filler:
+            if mb.token_index.numel():
                 lp, ent, sq = self.token_stats(output, mb, weight=weight, entropy=with_entropy, sum_sq=with_sum_sq)
                 local[:, plan.dest[id(mb)].to(local.device)] = torch.stack([v for v in (lp, ent, sq) if v is not None])
             return output.new_zeros(()), {}
@@ -334,6 +337,34 @@ def _reset_megatron_loss_scalers() -> None:
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)  # its class default
+
+
+def _mtp_loss_mask(mb: MicroBatch, mtp_layers: int) -> tuple[Tensor, float | None]:
+    """(loss_mask [R, C], scale override) of the MTP loss: 1 where the label is a response token. Megatron
+    divides each MTP layer's loss by its mask's sum after j shifts (layer j = 1..mtp_layers), which keeps
+    the response labels at position >= j of their sequence; where some layer keeps none (a filler, rows
+    without a response) that is 0 / 0: such a micro-batch runs its MTP layers on an all-ones mask with the
+    loss scale 0 instead (a finite loss, a zero gradient; the partners' collectives still run)."""
+    at = mb.prompt_length[mb.token_row] - 1 + mb.token_pos  # each response label's position in its sequence
+    if all(bool((at >= j).any()) for j in range(1, mtp_layers + 1)):
+        return mb.response_label_mask(), None
+    return torch.ones_like(mb.labels), 0.0
+
+
+class _mtp_loss_scaled:
+    """config.mtp_loss_scaling_factor := scale for one forward (GPTModel._postprocess reads it there)."""
+
+    def __init__(self, config, scale: float | None):
+        self.config, self.scale = config, scale
+
+    def __enter__(self):
+        if self.scale is not None:
+            self.saved = self.config.mtp_loss_scaling_factor
+            self.config.mtp_loss_scaling_factor = self.scale
+
+    def __exit__(self, *exc):
+        if self.scale is not None:
+            self.config.mtp_loss_scaling_factor = self.saved
 
 
 class _output_layer_bypassed:
