@@ -13,15 +13,17 @@ Run by bench_kernels.py with the peer environment's interpreter (.venv-liger/bin
 Inputs arrive in one torch.save file written by the main script (identical seeded tensors for both
 sides); outputs are the loss and gradients (torch.save to --out) and one JSON line on stdout.
 
-Measuring (`measure`, also imported by bench_kernels.py for our side): one warm-up step (Liger's
-torch.compile, first touch of the BLAS and OpenMP code pages), then the peak memory of one step,
-then the median time of --repeats steps. Peak memory is the growth of the resident set during that
-step: VmHWM (peak RSS) after resetting it through /proc/self/clear_refs, minus the RSS just before
-the step, in a process that holds nothing else but the inputs (the warm-up's gradients are dropped
-first). It counts everything the step allocates and frees, the returned gradients included. tracemalloc would miss torch's allocations
-and ru_maxrss cannot be reset. The main script starts every child with MALLOC_MMAP_THRESHOLD_=65536
+Measuring (`measure`, also imported by bench_kernels.py for our side), in two fresh processes per
+side, each after one warm-up step (Liger's torch.compile, first touch of the BLAS and OpenMP code
+pages): with --memory, the peak memory of one step; without, the median and min time of --repeats
+steps. Peak memory is the growth of the resident set during that step: VmHWM (peak RSS) after
+resetting it through /proc/self/clear_refs, minus the RSS just before the step, in a process that
+holds nothing else but the inputs (the warm-up's gradients are dropped first). It counts everything
+the step allocates and frees, the returned gradients included. tracemalloc would miss torch's
+allocations and ru_maxrss cannot be reset. The memory process runs with MALLOC_MMAP_THRESHOLD_=65536
 so that glibc maps every block of 64 KiB or more and returns it on free: otherwise memory freed by
-the warm-up step would stay in the heap and hide part of the next step's peak.
+the warm-up step would stay in the heap and hide part of the next step's peak. The timing process
+keeps glibc's defaults, since mapping every block anew costs page faults that a normal run reuses.
 """
 
 from __future__ import annotations
@@ -59,26 +61,26 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def measure(step, clear, repeats: int) -> dict:
-    """Peak RSS growth [MiB] of one step after a warm-up one, and the median / min / all times [s]
-    of `repeats` more; `step()` runs forward + backward and returns the loss (a 0-dim tensor),
-    `clear()` drops the gradients it left (outside the timed and measured regions)."""
-    step()
-    clear()
-    gc.collect()
-    before = rss_bytes()
-    if not _reset_peak_rss():
-        print("warning: cannot reset the peak RSS; the figure includes start-up", file=sys.stderr)
+def measure(step, clear, repeats: int, memory: bool) -> dict:
+    """After a warm-up step: the peak RSS growth [MiB] of one step (`memory`), or the median / min /
+    all times [s] of `repeats` steps; with the loss. `step()` runs forward + backward and returns the
+    loss (a 0-dim tensor), `clear()` drops the gradients it left (outside the measured regions)."""
     loss = step()
-    peak = _peak_rss_bytes() - before
+    if memory:
+        clear()
+        gc.collect()
+        before = rss_bytes()
+        if not _reset_peak_rss():
+            print("warning: cannot reset the peak RSS; the figure includes start-up", file=sys.stderr)
+        loss = step()
+        return {"loss": float(loss), "peak_mib": round((_peak_rss_bytes() - before) / 2**20, 1)}
     times = []
     for _ in range(repeats):
         clear()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"loss": float(loss), "peak_mib": round(peak / 2**20, 1),
-            "time_s": round(statistics.median(times), 4), "min_s": round(min(times), 4),
+    return {"loss": float(loss), "time_s": round(statistics.median(times), 4), "min_s": round(min(times), 4),
             "times_s": [round(t, 4) for t in times]}
 
 
@@ -143,10 +145,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", choices=["liger", "verl"], required=True)
     ap.add_argument("--inputs", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="", help="where to save the gradients (none if empty)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true", help="liger: run its loss math eagerly")
+    ap.add_argument("--memory", action="store_true", help="measure the peak memory, not the time")
     args = ap.parse_args()
 
     import torch
@@ -157,8 +160,9 @@ def main() -> None:
         step, clear, grads, versions = liger_step(inputs, compiled=not args.no_compile)
     else:
         step, clear, grads, versions = verl_step(inputs)
-    figures = measure(step, clear, args.repeats)
-    torch.save(grads(), args.out)
+    figures = measure(step, clear, args.repeats, args.memory)
+    if args.out:
+        torch.save(grads(), args.out)
     print(json.dumps(dict(figures, versions=versions, threads=torch.get_num_threads())))
 
 

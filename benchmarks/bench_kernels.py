@@ -2,8 +2,9 @@
 
 Figures, never pass/fail. Each variant runs in a fresh subprocess (its own allocator state, its
 own peak) with 2 threads (torch.set_num_threads; --threads to change). Peak memory and timing are
-`benchmarks/_liger_side.py:measure`: the resident-set growth during one step after a warm-up
-step, and the median (and min) of --repeats more steps; see that file for why this method.
+`benchmarks/_liger_side.py:measure`, each in its own process: the resident-set growth during one
+step after a warm-up step, and the median (and min) of --repeats steps after a warm-up step; see
+that file for why this method.
 
     materialised  N=2048, H=64, V=32000 and N=256, H=64, V=152064 (Qwen's vocabulary), fp32:
                   fused_logprob_entropy_reference (full fp32 logits, autograd) against
@@ -48,8 +49,8 @@ VERL_CASE = dict(B=256, T=4096)
 CUDA_CASE = (8192, 5120, 152064)
 GOALS = {"materialised_peak_ratio_max": 0.25, "liger_time_ratio_max": 1.0, "liger_peak_ratio_max": 0.8,
          "verl_time_ratio_max": 0.5, "verl_peak_ratio_max": 0.5}
-# every child maps blocks >= 64 KiB and returns them on free: see _liger_side.py
-CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# memory children map blocks >= 64 KiB and return them on free: see _liger_side.py
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,13 +201,14 @@ def child_main(args) -> None:
     if case in ("ours_liger", "ours_verl"):
         inputs = torch.load(args.inputs)
         step, clear, grads, versions = (ours_liger_step if case == "ours_liger" else ours_verl_step)(inputs)
-        figures = harness.measure(step, clear, args.repeats)
-        torch.save(grads(), args.out)
+        figures = harness.measure(step, clear, args.repeats, args.memory)
+        if args.out:
+            torch.save(grads(), args.out)
     else:  # materialised / chunked / eager / triton, "VARIANT:N:H:V:DEVICE"
         variant, n, h, v, device = case.split(":")
         step, clear = materialised_step(variant, int(n), int(h), int(v), device)
         figures = (_cuda_measure(step, clear, args.repeats) if device == "cuda"
-                   else harness.measure(step, clear, args.repeats))
+                   else harness.measure(step, clear, args.repeats, args.memory))
         versions = {"torch": torch.__version__}
     print(json.dumps(dict(figures, versions=versions, threads=torch.get_num_threads())))
 
@@ -216,10 +218,12 @@ def child_main(args) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run(cmd: list[str], timeout_s: float) -> dict | str:
-    env = dict(os.environ, **CHILD_ENV, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+def _run(cmd: list[str], timeout_s: float, memory: bool) -> dict | str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    env.update(MEMORY_ENV if memory else {})
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        proc = subprocess.run(cmd + (["--memory"] if memory else []), capture_output=True, text=True, env=env,
+                              timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"failed: timed out after {timeout_s:.0f} s"
     if proc.returncode != 0:
@@ -227,17 +231,29 @@ def _run(cmd: list[str], timeout_s: float) -> dict | str:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _ours(case: str, args, inputs: str = "", out: str = "") -> dict | str:
-    return _run([sys.executable, os.path.abspath(__file__), "--child", case, "--inputs", inputs, "--out", out,
-                 "--repeats", str(args.repeats), "--threads", str(args.threads)], args.timeout)
+def _both(cmd: list[str], timeout_s: float, out: str) -> dict | str:
+    """The memory run (which saves the gradients to `out`) and the timing run, merged."""
+    mem = _run(cmd + ["--out", out], timeout_s, memory=True)
+    if not isinstance(mem, dict):
+        return mem
+    timing = _run(cmd + ["--out", ""], timeout_s, memory=False)
+    if not isinstance(timing, dict):
+        return timing
+    return dict(timing, peak_mib=mem["peak_mib"], loss=mem["loss"])
+
+
+def _ours(case: str, args, inputs: str = "", out: str = "", cuda: bool = False) -> dict | str:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--inputs", inputs,
+           "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    return _run(cmd + ["--out", out], args.timeout, memory=False) if cuda else _both(cmd, args.timeout, out)
 
 
 def _peer(case: str, args, inputs: str, out: str, repeats: int) -> dict | str:
     if not os.access(args.peer_python, os.X_OK):
         return f"not run: {args.peer_python} missing (make liger-env)"
     cmd = [args.peer_python, os.path.join(REPO, "benchmarks", "_liger_side.py"), "--case", case, "--inputs", inputs,
-           "--out", out, "--repeats", str(repeats), "--threads", str(args.threads)]
-    return _run(cmd + (["--no-compile"] if args.liger_no_compile and case == "liger" else []), args.timeout)
+           "--repeats", str(repeats), "--threads", str(args.threads)]
+    return _both(cmd + (["--no-compile"] if args.liger_no_compile and case == "liger" else []), args.timeout, out)
 
 
 def _ratios(ours, peer) -> dict:
@@ -295,6 +311,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--inputs", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_main(args)
@@ -327,7 +344,7 @@ def main() -> None:
                                                            args.verl_repeats))
     if "cuda" in sections and torch.cuda.is_available():
         n, h, v = CUDA_CASE
-        res = {name: _ours(f"{name}:{n}:{h}:{v}:cuda", args) for name in ("eager", "triton")}
+        res = {name: _ours(f"{name}:{n}:{h}:{v}:cuda", args, cuda=True) for name in ("eager", "triton")}
         figures["cuda"] = {f"N{n}_H{h}_V{v}_bf16": res, "device": torch.cuda.get_device_name()}
         print(f"cuda N{n}_H{h}_V{v} bf16 eager {res['eager']}  triton {res['triton']}")
     elif "cuda" in sections:

@@ -57,11 +57,13 @@ METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 BACKENDS = ("auto", "triton", "torch")
 _SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BLOCK_T = 1024  # one response row is a few thousand tokens: a handful of tiles per program
-# Tokens per chunk of the torch path: 128K fp32 tokens = 512 KiB per buffer, about 6 buffers live,
-# so a chunk stays in the caches while its ~45 passes run. Measured at B 256 x T 4096, 1 thread:
-# 32K-256K-token chunks all run in 12-24 ms against 53-62 ms for the reference (noisy shared
-# machine); 128K halves the number of parallel regions of 64K, which matters on a loaded machine.
-_TORCH_CHUNK_ELEMS = 1 << 17
+# Tokens per chunk of the torch path: 512K fp32 tokens = 2 MiB per buffer, about 6 buffers live
+# (12 MiB, inside the L3 cache) while its ~45 elementwise ops run. Measured at B 256 x T 4096:
+# with 1 thread, 32K- to 256K-token chunks all take 12-24 ms (the reference: 53-62 ms); with 2
+# threads on a machine loaded 2-10x past its cores, every op is an OpenMP region that waits for a
+# descheduled thread, so time grows with the number of regions: 512K-token chunks (2 here, ~90
+# regions, as many as the eager reference has) ran 1.2 s median against 3.1 s for 128K ones.
+_TORCH_CHUNK_ELEMS = 1 << 19
 
 
 if triton is not None:
