@@ -57,9 +57,13 @@ METRIC_NAMES = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 BACKENDS = ("auto", "triton", "torch")
 _SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _BLOCK_T = 1024  # one response row is a few thousand tokens: a handful of tiles per program
-# Tokens per chunk of the torch path: 64K fp32 tokens = 256 KiB per buffer, about 6 buffers live,
-# so a chunk sits in the L2/L3 caches while its ~17 passes run (benchmarks/bench_kernels.py).
-_TORCH_CHUNK_ELEMS = 1 << 16
+# Tokens per chunk of the torch path: 512K fp32 tokens = 2 MiB per buffer, about 6 buffers live
+# (12 MiB, inside the L3 cache) while its ~45 elementwise ops run. Measured at B 256 x T 4096:
+# with 1 thread, 32K- to 256K-token chunks all take 12-24 ms (the reference: 53-62 ms); with 2
+# threads on a machine loaded 2-10x past its cores, every op is an OpenMP region that waits for a
+# descheduled thread, so time grows with the number of regions: 512K-token chunks (2 here, ~90
+# regions, as many as the eager reference has) ran 1.2 s median against 3.1 s for 128K ones.
+_TORCH_CHUNK_ELEMS = 1 << 19
 
 
 if triton is not None:
@@ -361,8 +365,9 @@ def fused_clipped_token_loss(
     Computed in fp32 whatever the input dtype; the loss and metrics (detached 0-dim tensors named
     in METRIC_NAMES) come back in log_prob's dtype. Only log_prob is differentiated: old_log_prob,
     advantages and rollout_is_weights must not require gradients. Masked positions may hold any
-    value on the triton path (the kernel never lets them into a sum) and any finite value or inf
-    on the torch path, where the reference would turn inf into nan.
+    value on the triton path (the kernel never lets them into a sum); on the torch path any finite
+    value, or an infinite log_prob or old_log_prob (the +-20 clamp absorbs it), where the
+    reference would turn inf into nan.
     backend: "auto" (triton for CUDA tensors, else the chunked torch path), "triton" or "torch".
     Both keep no [B, T] intermediate between forward and backward (the backward recomputes).
     """

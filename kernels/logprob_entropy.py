@@ -53,12 +53,14 @@ __all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference", "fused_lo
            "fused_logprob_stats_reference"]
 
 BACKENDS = ("auto", "triton", "torch")
-# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds 2 fp32 [C, V] buffers,
-# so C = scratch_bytes // (8 V): 32 MiB gives C = 131 tokens at V = 32000 (far below materialised
-# logits, and enough rows that the [C, H] x [H, V] GEMM streams the weight once per 131 tokens).
+# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds at most 2 fp32 [C, V]
+# buffers, so C = scratch_bytes // (8 V): 64 MiB gives C = 262 tokens at V = 32000. Measured on
+# this 2-core CPU (1 thread, H = 1024, V = 32000): the three GEMM shapes run at 43 / 55 / 70
+# GFLOP/s with C = 131 and at 60 / 69 / 72 with C = 262, no better with C = 524; the peak memory
+# of a fwd+bwd is then about grad_weight + grad_hidden + 64 MiB (benchmarks/bench_kernels.py).
 # The triton backward holds one [C, V] buffer in the input dtype: 256 MiB keeps its two GEMMs
 # large enough to run near peak on a GPU. The triton forward needs no scratch.
-TORCH_SCRATCH_BYTES = 32 << 20
+TORCH_SCRATCH_BYTES = 64 << 20
 TRITON_SCRATCH_BYTES = 256 << 20
 _TORCH_BUFFERS = 2  # fp32 [C, V] buffers live at once in every torch-path chunk
 
@@ -530,7 +532,7 @@ def fused_logprob_stats(
 
     Memory: never the [N, V] logits. The torch path (CPU) works on `chunk_size` tokens at a time,
     by default as many as keep its two fp32 [C, V] buffers within `scratch_bytes` (default
-    TORCH_SCRATCH_BYTES = 32 MiB; per-chunk buffers are freed before the next chunk, and the
+    TORCH_SCRATCH_BYTES = 64 MiB; per-chunk buffers are freed before the next chunk, and the
     backward recomputes the logits instead of keeping them). The triton forward needs no scratch;
     its backward holds one [C, V] buffer in the input dtype (default TRITON_SCRATCH_BYTES = 256 MiB).
 
