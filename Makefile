@@ -8,8 +8,8 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets clean train-dapo-32b train-dapo-32b-wo-ds \
-	train-dapo-32b-early train-moe tensorboard data eval-aime docker
+.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env clean train-dapo-32b \
+	train-dapo-32b-wo-ds train-dapo-32b-early train-moe tensorboard data eval-aime docker
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
 # would pull a multi-GB CUDA build). A stamp file keeps a re-run to a quick up-to-date check.
@@ -76,6 +76,23 @@ $(VERL_VENV)/.installed:
 verl-assets: verl-env
 	$(VERL_VENV)/bin/python tools/verl_reference.py
 
+LIGER_VENV ?= .venv-liger
+# The kernels' peers for benchmarks/bench_kernels.py, in their own venv (never project dependencies):
+# Liger-Kernel's fused linear GRPO loss, and verl 0.9.1's core_algos (--no-deps: only the packages
+# that `import verl.trainer.ppo.core_algos` needs). `make bench` runs bench_kernels.py against it.
+liger-env: $(LIGER_VENV)/.installed
+
+$(LIGER_VENV)/.installed:
+	test -x $(LIGER_VENV)/bin/python || $(PY) -m venv $(LIGER_VENV)
+	$(LIGER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LIGER_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(LIGER_VENV)/bin/python -m pip install -q "liger-kernel==0.8.5"
+	$(LIGER_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1"
+	$(LIGER_VENV)/bin/python -m pip install -q "numpy==2.4.6" "omegaconf==2.4.0" "packaging==26.4" "ray==2.60.0" \
+		"tensordict==0.15.3" "transformers==5.24.0" "codetiming==1.4.0" "orjson==3.13.0"
+	$(LIGER_VENV)/bin/python -c "import liger_kernel.chunked_loss, verl.trainer.ppo.core_algos"
+	touch $@
+
 # The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch). DRY_RUN=1 prints
 # every command per node instead and needs no Slurm: the script runs under bash, and outside an
 # allocation it previews the 16 nodes its #SBATCH header asks for (made-up names). Extra trainer
@@ -125,4 +142,4 @@ docker:
 		$(if $(SGLANG_VERSION),--build-arg SGLANG_VERSION=$(SGLANG_VERSION)) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) $(LIGER_VENV) build *.egg-info .pytest_cache

@@ -8,7 +8,12 @@ imported: set TRITON_INTERPRET=1 before that (tests/kernels/conftest.py does).
 """
 
 from .clipped_loss import METRIC_NAMES, fused_clipped_token_loss, fused_clipped_token_loss_reference
-from .logprob_entropy import fused_logprob_entropy, fused_logprob_entropy_reference
+from .logprob_entropy import (
+    fused_logprob_entropy,
+    fused_logprob_entropy_reference,
+    fused_logprob_stats,
+    fused_logprob_stats_reference,
+)
 
 __all__ = [
     "METRIC_NAMES",
@@ -16,4 +21,6 @@ __all__ = [
     "fused_clipped_token_loss_reference",
     "fused_logprob_entropy",
     "fused_logprob_entropy_reference",
+    "fused_logprob_stats",
+    "fused_logprob_stats_reference",
 ]

@@ -1,4 +1,4 @@
-"""Log-probabilities and entropy of the output layer without materialising the [N, V] logits.
+"""Log-probabilities, entropy and sum_v p_v^2 of the output layer without materialising the [N, V] logits.
 
 Shape legend:
     N  tokens (rows of `hidden`)     H  hidden size     V  vocabulary (the local shard under TP)
@@ -16,7 +16,8 @@ so with upstream gradients g_lp and g_ent:
 
 Per-row statistics relative to a running maximum m (the online log-sum-exp):
     s = sum_j exp(z_j - m),   t = sum_j exp(z_j - m) (z_j - m),   zy = z_y (0 off this shard)
-    lse = m + log s,   Ez = m + t / s,   entropy = log s - t / s
+    q = sum_j exp(2 (z_j - m))                                  (only when sum_sq is asked for)
+    lse = m + log s,   Ez = m + t / s,   entropy = log s - t / s,   sum_v p_v^2 = q / s^2
 Partial statistics merge exactly (`_merge_partials`); vocabulary tiles inside a kernel, the
 vocabulary splits of the forward grid and tensor-parallel vocabulary shards all combine this way.
 Keeping t relative to m (not sum p z) avoids cancelling two numbers of the size of the logits.
@@ -26,7 +27,10 @@ Implementations (all three agree to fp32 round-off; tests/kernels checks it):
                recomputes the logits tile by tile and writes dz for C tokens at a time, then two
                GEMMs give the weight and hidden gradients (see `_triton_grads` for why).
     torch      the same statistics and gradients for C tokens at a time in plain torch (CPU runs).
-    reference  `fused_logprob_entropy_reference`: full logits and autograd; the specification.
+    reference  `fused_logprob_stats_reference`: full logits and autograd; the specification.
+
+No-grad calls (old and reference log-probs) run the same forward code as the differentiable one
+and save nothing, so at equal weights the two give bitwise equal log-probs on one machine.
 """
 
 from __future__ import annotations
@@ -45,14 +49,20 @@ except Exception as err:  # noqa: BLE001 (ImportError, or a RuntimeError from a 
     triton = tl = InterpretedFunction = None
     TRITON_IMPORT_ERROR = err
 
-__all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference"]
+__all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference", "fused_logprob_stats",
+           "fused_logprob_stats_reference"]
 
 BACKENDS = ("auto", "triton", "torch")
-# Scratch sizes: the torch path holds 2 fp32 [C, V] buffers; the triton backward one [C, V] in the
-# input dtype. 32 MiB keeps the CPU path far below materialised logits (benchmarks/bench_kernels.py);
-# 256 MiB keeps the two GEMMs of the triton backward large enough to run near peak on a GPU.
-_TORCH_CHUNK_BYTES = 32 << 20
-_TRITON_CHUNK_BYTES = 256 << 20
+# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds at most 2 fp32 [C, V]
+# buffers, so C = scratch_bytes // (8 V): 64 MiB gives C = 262 tokens at V = 32000. Measured on
+# this 2-core CPU (1 thread, H = 1024, V = 32000): the three GEMM shapes run at 43 / 55 / 70
+# GFLOP/s with C = 131 and at 60 / 69 / 72 with C = 262, no better with C = 524; the peak memory
+# of a fwd+bwd is then about grad_weight + grad_hidden + 64 MiB (benchmarks/bench_kernels.py).
+# The triton backward holds one [C, V] buffer in the input dtype: 256 MiB keeps its two GEMMs
+# large enough to run near peak on a GPU. The triton forward needs no scratch.
+TORCH_SCRATCH_BYTES = 64 << 20
+TRITON_SCRATCH_BYTES = 256 << 20
+_TORCH_BUFFERS = 2  # fp32 [C, V] buffers live at once in every torch-path chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,8 +73,9 @@ if triton is not None:
 
     @triton.jit
     def _lse_entropy_fwd_kernel(
-        h_ptr, w_ptr, labels_ptr, stats_ptr,  # stats [4, P, N] fp32: m, s, t, zy
+        h_ptr, w_ptr, labels_ptr, stats_ptr,  # stats [4 or 5, P, N] fp32: m, s, t, zy (, q)
         N, V, H, stride_h, stride_w, vocab_start, temperature, n_splits, tiles_per_split,
+        COMPUTE_SUM_SQ: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
         UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
@@ -80,6 +91,7 @@ if triton is not None:
         s_i = tl.zeros([BLOCK_N], tl.float32)
         t_i = tl.zeros([BLOCK_N], tl.float32)
         zy_i = tl.zeros([BLOCK_N], tl.float32)
+        q_i = tl.zeros([BLOCK_N], tl.float32)
         for tile in range(0, tiles_per_split):
             cols = (pid_v * tiles_per_split + tile) * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = cols < V
@@ -104,6 +116,8 @@ if triton is not None:
             # t is relative to m: moving it from m_i to m_new adds (m_i - m_new) * s_i
             t_i = alpha * (t_i + (m_i - m_new) * s_i) + tl.sum(e * zs, axis=1)
             s_i = alpha * s_i + tl.sum(e, axis=1)
+            if COMPUTE_SUM_SQ:  # q is relative to m squared: rescale by alpha^2
+                q_i = alpha * alpha * q_i + tl.sum(e * e, axis=1)
             m_i = m_new
             hit = (cols[None, :] == target[:, None]) & col_ok[None, :]
             zy_i += tl.sum(tl.where(hit, z, 0.0), axis=1)
@@ -113,6 +127,8 @@ if triton is not None:
         tl.store(out + plane, s_i, mask=row_ok)
         tl.store(out + 2 * plane, t_i, mask=row_ok)
         tl.store(out + 3 * plane, zy_i, mask=row_ok)
+        if COMPUTE_SUM_SQ:
+            tl.store(out + 4 * plane, q_i, mask=row_ok)
 
     @triton.jit
     def _logits_grad_kernel(
@@ -186,8 +202,8 @@ def _launch_config(dtype: torch.dtype) -> dict:
 
 
 def _triton_local_stats(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float,
-                        vocab_start: int) -> tuple[Tensor, ...]:
-    """(m, s, t, zy) [P, N] each, for this rank's vocabulary shard."""
+                        vocab_start: int, sum_sq: bool) -> tuple[Tensor, ...]:
+    """(m, s, t, zy) and, when `sum_sq`, q: [P, N] each, for this rank's vocabulary shard."""
     (n, h_size), v = hidden.shape, weight.shape[0]
     cfg = _launch_config(hidden.dtype)
     row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
@@ -201,17 +217,17 @@ def _triton_local_stats(hidden: Tensor, weight: Tensor, labels: Tensor, temperat
     splits = max(1, min(v_tiles, triton.cdiv(target_programs, max(row_blocks, 1))))
     tiles_per_split = triton.cdiv(v_tiles, splits)
     splits = triton.cdiv(v_tiles, tiles_per_split)  # every split owns at least one real tile
-    stats = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty(5 if sum_sq else 4, splits, n, dtype=torch.float32, device=hidden.device)
     if n > 0:
         _lse_entropy_fwd_kernel[(row_blocks, splits)](
             hidden, weight, labels, stats, n, v, h_size, hidden.stride(0), weight.stride(0),
-            vocab_start, float(temperature), splits, tiles_per_split, **cfg,
+            vocab_start, float(temperature), splits, tiles_per_split, COMPUTE_SUM_SQ=sum_sq, **cfg,
         )
     return tuple(stats.unbind(0))
 
 
 def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, vocab_start,
-                  chunk_size, need_hidden, need_weight):
+                  chunk_size, scratch_bytes, need_hidden, need_weight):
     """Gradients for this rank's shard (grad_hidden before the TP all-reduce).
 
     Why a [C, V] scratch and two GEMMs rather than accumulating both gradients inside the kernel:
@@ -226,7 +242,8 @@ def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voc
     (n, h_size), v = hidden.shape, weight.shape[0]
     cfg = _launch_config(hidden.dtype)
     if chunk_size is None:
-        chunk_size = max(cfg["BLOCK_N"], _TRITON_CHUNK_BYTES // (v * hidden.element_size()))
+        budget = TRITON_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+        chunk_size = max(cfg["BLOCK_N"], budget // (v * hidden.element_size()))
     chunk = min(n, chunk_size)
     grad_hidden = hidden.new_empty(n, h_size) if need_hidden else None  # contiguous, for mm(out=)
     grad_weight = torch.zeros_like(weight) if need_weight else None
@@ -254,9 +271,13 @@ def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voc
 # ---------------------------------------------------------------------------------------------
 
 
-def _torch_chunk(v: int, chunk_size: int | None) -> int:
-    """Tokens per chunk: as asked, or enough for _TORCH_CHUNK_BYTES of fp32 logits."""
-    return max(1, chunk_size if chunk_size is not None else _TORCH_CHUNK_BYTES // (4 * v))
+def torch_chunk_tokens(v: int, chunk_size: int | None, scratch_bytes: int | None) -> int:
+    """Tokens per chunk of the torch path: as asked, or as many as keep its _TORCH_BUFFERS fp32
+    [C, V] buffers within `scratch_bytes` (default TORCH_SCRATCH_BYTES); at least 1."""
+    if chunk_size is not None:
+        return chunk_size
+    budget = TORCH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    return max(1, budget // (_TORCH_BUFFERS * 4 * max(v, 1)))
 
 
 def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Tensor]:
@@ -266,52 +287,78 @@ def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Ten
     return local.clamp(0, v - 1), owned
 
 
-def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size):
-    """(m, s, t, zy) [1, N] each; at most two fp32 [C, V] buffers live at a time."""
+def chunk_stats(z: Tensor, col: Tensor, owned: Tensor, out: Tensor, entropy: bool, sum_sq: bool) -> None:
+    """Fill out[:, k] = m, s, t, zy (, q) of the fp32 logits z [C, V] of one chunk (t only when
+    `entropy`, else left as is); consumes z's buffer.
+
+    With entropy, e = exp(z - m) needs a second [C, V] buffer (t pairs it with z - m); without,
+    the exponential is taken in place. Row dot products go through bmm ([C, 1, V] x [C, V, 1]),
+    which needs no temporary. Shared by every torch-path caller, and z, m, s and zy (so the
+    log-probs) come out of the same operations whatever the flags: bit for bit the same values."""
+    zy = z.gather(1, col[:, None]).squeeze(1)
+    m = z.max(dim=1).values
+    zs = z.sub_(m[:, None])
+    e = zs.exp() if entropy else zs.exp_()
+    out[:, 0] = m
+    out[:, 1] = e.sum(dim=1)
+    if entropy:
+        out[:, 2] = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1)
+    out[:, 3] = torch.where(owned, zy, torch.zeros_like(zy))
+    if sum_sq:
+        out[:, 4] = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1)
+
+
+def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
+    """z = h32 @ w32.T / temperature [C, V] fp32, in one new buffer."""
+    z = h32 @ w32.t()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size, scratch_bytes, entropy,
+                       sum_sq):
+    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); at most two fp32
+    [C, V] buffers live at a time."""
     (n, _), v = hidden.shape, weight.shape[0]
-    h32, w32 = hidden.float(), weight.float()  # no copy for fp32 inputs
+    # no copy for fp32 inputs; 16-bit ones are upcast once (CPU torch has no bf16 GEMM with an fp32
+    # result), so their products are exact and accumulate in fp32, as in the triton kernel
+    h32, w32 = hidden.float(), weight.float()
     col, owned = _local_target(labels, vocab_start, v)
-    stats = torch.empty(4, 1, n, dtype=torch.float32, device=hidden.device)
-    chunk = _torch_chunk(v, chunk_size)
+    stats = torch.zeros(n, 5 if sum_sq else 4, dtype=torch.float32, device=hidden.device)
+    chunk = torch_chunk_tokens(v, chunk_size, scratch_bytes)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
-        z = (h32[c0:c1] @ w32.t()).div_(temperature)  # [C, V]
-        zy = z.gather(1, col[c0:c1, None]).squeeze(1)
-        m = z.max(dim=1).values
-        zs = z.sub_(m[:, None])
-        e = zs.exp()
-        stats[0, 0, c0:c1] = m
-        stats[1, 0, c0:c1] = e.sum(dim=1)
-        stats[2, 0, c0:c1] = e.mul_(zs).sum(dim=1)
-        stats[3, 0, c0:c1] = torch.where(owned[c0:c1], zy, torch.zeros_like(zy))
-    return tuple(stats.unbind(0))
+        z = chunk_logits(h32[c0:c1], w32, temperature)  # [C, V]
+        chunk_stats(z, col[c0:c1], owned[c0:c1], stats[c0:c1], entropy, sum_sq)
+        del z  # both [C, V] buffers go before the next chunk allocates its own
+    return tuple(stats.t()[:, None, :].unbind(0))
 
 
 def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, vocab_start,
-                 chunk_size, need_hidden, need_weight):
+                 chunk_size, scratch_bytes, need_hidden, need_weight):
     """Gradients for this rank's shard: recompute z for C tokens, form dz, two matmuls."""
     (n, _), v = hidden.shape, weight.shape[0]
     h32, w32 = hidden.float(), weight.float()
     col, owned = _local_target(labels, vocab_start, v)
     grad_hidden = h32.new_empty(h32.shape) if need_hidden else None  # contiguous, for mm(out=)
     grad_weight = torch.zeros_like(w32) if need_weight else None
-    chunk = _torch_chunk(v, chunk_size)
+    chunk = torch_chunk_tokens(v, chunk_size, scratch_bytes)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
-        z = (h32[c0:c1] @ w32.t()).div_(temperature)
-        dz = (z - lse[c0:c1, None]).exp_()  # p
-        if g_ent is not None:  # coefficient g_lp + g_ent (z - Ez), built in z's buffer
-            coef = z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])
-        else:
-            coef = g_lp[c0:c1, None]
-        dz.mul_(coef).neg_()
+        z = chunk_logits(h32[c0:c1], w32, temperature)
+        if g_ent is not None:  # p in a second buffer, the coefficient g_lp + g_ent (z - Ez) in z's
+            dz = (z - lse[c0:c1, None]).exp_()
+            dz.mul_(z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])).neg_()
+        else:  # -g_lp p, in z's buffer
+            dz = z.sub_(lse[c0:c1, None]).exp_().mul_(g_lp[c0:c1, None].neg())
         hit = torch.where(owned[c0:c1], g_lp[c0:c1], torch.zeros_like(g_lp[c0:c1]))
         dz.scatter_add_(1, col[c0:c1, None], hit[:, None])
-        dz.div_(temperature)
+        if temperature != 1.0:
+            dz.div_(temperature)
         if need_hidden:
             torch.mm(dz, w32, out=grad_hidden[c0:c1])
         if need_weight:
             grad_weight.addmm_(dz.t(), h32[c0:c1])
+        del z, dz
     return (grad_hidden.to(hidden.dtype) if need_hidden else None,
             grad_weight.to(weight.dtype) if need_weight else None)
 
@@ -321,64 +368,87 @@ def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voca
 # ---------------------------------------------------------------------------------------------
 
 
-def _merge_partials(m: Tensor, s: Tensor, t: Tensor, zy: Tensor) -> tuple[Tensor, ...]:
-    """Merge [P, N] partial statistics over P into [N] (exact, in any order)."""
+def _merge_partials(m: Tensor, s: Tensor, t: Tensor, zy: Tensor, q: Tensor | None = None) -> tuple:
+    """Merge [P, N] partial statistics over P into [N] (exact, in any order); q is None when not
+    computed."""
     m_all = m.max(dim=0).values
     scale = torch.exp(m - m_all)
     s_all = (scale * s).sum(dim=0)
     t_all = (scale * (t + (m - m_all) * s)).sum(dim=0)
-    return m_all, s_all, t_all, zy.sum(dim=0)
+    q_all = None if q is None else (scale * scale * q).sum(dim=0)
+    return m_all, s_all, t_all, zy.sum(dim=0), q_all
 
 
-def _reduce_across_tp(m, s, t, zy, tp_group):
+def _reduce_across_tp(m, s, t, zy, q, tp_group):
     """Merge the per-shard statistics of every tensor-parallel rank (two all-reduces)."""
     m_all = m.clone()
     dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
     scale = torch.exp(m - m_all)
-    packed = torch.stack([scale * s, scale * (t + (m - m_all) * s), zy])
+    parts = [scale * s, scale * (t + (m - m_all) * s), zy]
+    if q is not None:
+        parts.append(scale * scale * q)
+    packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=tp_group)
-    return m_all, packed[0], packed[1], packed[2]
+    return m_all, packed[0], packed[1], packed[2], (packed[3] if q is not None else None)
 
 
 def _tp_size(tp_group) -> int:
     return 1 if tp_group is None else dist.get_world_size(tp_group)
 
 
-class _LogprobEntropy(torch.autograd.Function):
+def _vocab_start(weight: Tensor, tp_group) -> int:
+    """Megatron's vocabulary layout: rank r holds rows [r * V_local, (r + 1) * V_local)."""
+    return dist.get_rank(tp_group) * weight.shape[0] if _tp_size(tp_group) > 1 else 0
+
+
+def _forward_stats(hidden, weight, labels, temperature, chunk_size, scratch_bytes, tp_group, use_triton,
+                   entropy, sum_sq):
+    """(logprobs, entropy, sum_sq or None, lse, ez) [N] fp32: the one forward every caller runs.
+    Without `entropy` the torch path skips t, and entropy and ez are then meaningless."""
+    vocab_start = _vocab_start(weight, tp_group)
+    local = (_triton_local_stats(hidden, weight, labels, temperature, vocab_start, sum_sq) if use_triton
+             else _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size,
+                                     scratch_bytes, entropy, sum_sq))
+    m, s, t, zy, q = _merge_partials(*local)
+    if _tp_size(tp_group) > 1:
+        m, s, t, zy, q = _reduce_across_tp(m, s, t, zy, q, tp_group)
+    log_s, t_over_s = torch.log(s), t / s
+    lse = m + log_s
+    return zy - lse, log_s - t_over_s, (None if q is None else q / (s * s)), lse, m + t_over_s
+
+
+class _LogprobStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size, tp_group, use_triton):
-        tp = _tp_size(tp_group)
-        # Megatron's vocabulary layout: rank r holds rows [r * V_local, (r + 1) * V_local).
-        vocab_start = dist.get_rank(tp_group) * weight.shape[0] if tp > 1 else 0
-        local = (_triton_local_stats(hidden, weight, labels, temperature, vocab_start) if use_triton
-                 else _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size))
-        m, s, t, zy = _merge_partials(*local)
-        if tp > 1:
-            m, s, t, zy = _reduce_across_tp(m, s, t, zy, tp_group)
-        log_s, t_over_s = torch.log(s), t / s
-        lse = m + log_s
-        ez = m + t_over_s
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, scratch_bytes, tp_group, use_triton,
+                entropy, sum_sq):
+        logprobs, ent, sq, lse, ez = _forward_stats(hidden, weight, labels, temperature, chunk_size,
+                                                    scratch_bytes, tp_group, use_triton, entropy, sum_sq)
         ctx.save_for_backward(hidden, weight, labels, lse, ez)
-        ctx.cfg = (temperature, chunk_size, tp_group, use_triton, vocab_start)
+        ctx.cfg = (temperature, chunk_size, scratch_bytes, tp_group, use_triton, _vocab_start(weight, tp_group))
         ctx.set_materialize_grads(False)
-        return zy - lse, log_s - t_over_s
+        if not entropy:  # the caller returns None for it, so no gradient can reach it
+            ctx.mark_non_differentiable(ent)
+        if sq is None:
+            return logprobs, ent
+        ctx.mark_non_differentiable(sq)
+        return logprobs, ent, sq
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, *unused_sum_sq_grad):
         hidden, weight, labels, lse, ez = ctx.saved_tensors
-        temperature, chunk_size, tp_group, use_triton, vocab_start = ctx.cfg
+        temperature, chunk_size, scratch_bytes, tp_group, use_triton, vocab_start = ctx.cfg
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_ent is None) or not (need_hidden or need_weight):
-            return (None,) * 7
+            return (None,) * 10
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         grads = _triton_grads if use_triton else _torch_grads
         grad_hidden, grad_weight = grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature,
-                                         vocab_start, chunk_size, need_hidden, need_weight)
+                                         vocab_start, chunk_size, scratch_bytes, need_hidden, need_weight)
         if need_hidden and _tp_size(tp_group) > 1:
             # every shard contributes dz_shard @ weight_shard to the replicated hidden
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=tp_group)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +456,7 @@ class _LogprobEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group) -> None:
+def _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group, scratch_bytes) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -406,6 +476,9 @@ def _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_g
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+    if scratch_bytes is not None and (isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int)
+                                      or scratch_bytes < 1):
+        raise ValueError(f"scratch_bytes must be None or a positive int, got {scratch_bytes!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if not labels.is_cuda and labels.numel() > 0:  # on CUDA the check would synchronise the stream
@@ -430,6 +503,66 @@ def _use_triton(backend: str, device: torch.device) -> bool:
     return True
 
 
+def fused_logprob_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+    compute_sum_sq: bool = False,
+    tp_group=None,
+    backend: str = "auto",
+    scratch_bytes: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Per-token statistics of softmax(hidden @ weight.T / temperature) at `labels`:
+    (logprobs [N], entropy [N] or None, sum_sq [N] or None), all fp32.
+
+    logprobs[i] = log p_i[labels[i]], entropy[i] = -sum_v p_iv log p_iv (None unless
+    `compute_entropy`), sum_sq[i] = sum_v p_iv^2 (None unless `compute_sum_sq`).
+    hidden [N, H] and weight [V, H] share a floating dtype; products accumulate in fp32 whatever
+    it is. labels [N] are global token ids.
+
+    Gradients: logprobs and entropy are differentiable with respect to hidden and weight; sum_sq
+    is not (it comes back non-differentiable: a metric). When no input requires grad or grad mode
+    is off (old and reference log-probs), nothing is saved for backward. Either way the forward is
+    the same code, so at equal weights the no-grad and the differentiable log-probs are bitwise
+    equal on one machine.
+
+    Memory: never the [N, V] logits. The torch path (CPU) works on `chunk_size` tokens at a time,
+    by default as many as keep its two fp32 [C, V] buffers within `scratch_bytes` (default
+    TORCH_SCRATCH_BYTES = 64 MiB; per-chunk buffers are freed before the next chunk, and the
+    backward recomputes the logits instead of keeping them). The triton forward needs no scratch;
+    its backward holds one [C, V] buffer in the input dtype (default TRITON_SCRATCH_BYTES = 256 MiB).
+
+    Tensor parallelism: with `tp_group` of size tp, `weight` is this rank's shard of the vocabulary,
+    rows [rank * V, (rank + 1) * V) (Megatron's layout, equal shards), and `hidden` is replicated.
+    Max, sum-exp, target logit, sum(p z) and sum(p^2) statistics are all-reduced over the group
+    (labels outside this rank's shard contribute no target logit here); the hidden gradient is
+    summed over it, the weight gradient stays local. Labels are range-checked on CPU only (on
+    CUDA the check would synchronise).
+
+    backend: "auto" (triton for CUDA tensors, else the chunked torch path), "triton" (CPU tensors
+    need TRITON_INTERPRET=1 set before triton is imported), or "torch".
+    """
+    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group, scratch_bytes)
+    use_triton = _use_triton(backend, hidden.device)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    args = (hidden, weight, labels.long().contiguous(), float(temperature), chunk_size, scratch_bytes,
+            tp_group, use_triton, bool(compute_entropy), bool(compute_sum_sq))
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        logprobs, entropy, *sq = _LogprobStats.apply(*args)
+        sum_sq = sq[0] if sq else None
+    else:
+        with torch.no_grad():
+            logprobs, entropy, sum_sq, _, _ = _forward_stats(*args)
+    return logprobs, (entropy if compute_entropy else None), sum_sq
+
+
 def fused_logprob_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -440,34 +573,50 @@ def fused_logprob_entropy(
     compute_entropy: bool = True,
     tp_group=None,
     backend: str = "auto",
+    scratch_bytes: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probability of `labels` and entropy under softmax(hidden @ weight.T / temperature).
+    """(logprobs [N], entropy [N] or None): `fused_logprob_stats` without the squared-probability sum.
 
-    hidden [N, H] and weight [V, H] share a floating dtype (products accumulate in fp32);
-    labels [N] are global token ids. Returns (logprobs [N] fp32, entropy [N] fp32 or None when
-    `compute_entropy=False`), differentiable with respect to hidden and weight.
-
-    Never holds the [N, V] logits: `chunk_size` tokens at a time (default: 32 MiB of fp32 logits
-    in the torch path, 256 MiB of scratch in the triton backward; the triton forward needs none).
-
-    Tensor parallelism: with `tp_group` of size tp, `weight` is this rank's shard of the vocabulary,
-    rows [rank * V, (rank + 1) * V) (Megatron's layout, equal shards), and `hidden` is replicated.
-    Max, sum-exp, target logit and entropy statistics are all-reduced over the group; the hidden
-    gradient is summed over it, the weight gradient stays local. Labels are range-checked on CPU
-    only (on CUDA the check would synchronise).
-
-    backend: "auto" (triton for CUDA tensors, else the chunked torch path), "triton" (CPU tensors
-    need TRITON_INTERPRET=1 set before triton is imported), or "torch".
+    Differentiable with respect to hidden and weight; see `fused_logprob_stats` for memory,
+    tensor parallelism and backends.
     """
-    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, tp_group)
-    use_triton = _use_triton(backend, hidden.device)
-    if hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    logprobs, entropy = _LogprobEntropy.apply(hidden, weight, labels.long().contiguous(), float(temperature),
-                                              chunk_size, tp_group, use_triton)
-    return logprobs, (entropy if compute_entropy else None)
+    logprobs, entropy, _ = fused_logprob_stats(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size,
+        compute_entropy=compute_entropy, tp_group=tp_group, backend=backend, scratch_bytes=scratch_bytes)
+    return logprobs, entropy
+
+
+def fused_logprob_stats_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    compute_entropy: bool = True,
+    compute_sum_sq: bool = False,
+    tp_group=None,
+    backend: str = "auto",
+    scratch_bytes: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The specification: full fp32 logits, log_softmax, autograd.
+
+    `chunk_size`, `backend` and `scratch_bytes` exist only so the signature matches
+    `fused_logprob_stats`; they change nothing here. The reference is unsharded: compare a TP run
+    against it with the full weight.
+    """
+    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, None, scratch_bytes)
+    if _tp_size(tp_group) > 1:
+        raise ValueError("the reference is unsharded: pass the full weight and tp_group=None")
+    logits = (hidden.float() @ weight.float().t()) / temperature  # [N, V]
+    log_p = torch.log_softmax(logits, dim=-1)
+    logprobs = log_p.gather(-1, labels.long()[:, None]).squeeze(-1)
+    entropy = sum_sq = None
+    if compute_entropy:
+        entropy = torch.logsumexp(logits, dim=-1) - (log_p.exp() * logits).sum(dim=-1)
+    if compute_sum_sq:
+        sum_sq = log_p.exp().square().sum(dim=-1)
+    return logprobs, entropy, sum_sq
 
 
 def fused_logprob_entropy_reference(
@@ -480,19 +629,10 @@ def fused_logprob_entropy_reference(
     compute_entropy: bool = True,
     tp_group=None,
     backend: str = "auto",
+    scratch_bytes: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The specification: full fp32 logits, log_softmax, autograd.
-
-    `chunk_size` and `backend` exist only so the signature matches `fused_logprob_entropy`; they
-    change nothing here. The reference is unsharded: compare a TP run against it with the full weight.
-    """
-    _check_inputs(hidden, weight, labels, temperature, chunk_size, backend, None)
-    if _tp_size(tp_group) > 1:
-        raise ValueError("fused_logprob_entropy_reference is unsharded: pass the full weight and tp_group=None")
-    logits = (hidden.float() @ weight.float().t()) / temperature  # [N, V]
-    log_p = torch.log_softmax(logits, dim=-1)
-    logprobs = log_p.gather(-1, labels.long()[:, None]).squeeze(-1)
-    if not compute_entropy:
-        return logprobs, None
-    entropy = torch.logsumexp(logits, dim=-1) - (log_p.exp() * logits).sum(dim=-1)
+    """The specification of `fused_logprob_entropy`: `fused_logprob_stats_reference` without sum_sq."""
+    logprobs, entropy, _ = fused_logprob_stats_reference(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size,
+        compute_entropy=compute_entropy, tp_group=tp_group, backend=backend, scratch_bytes=scratch_bytes)
     return logprobs, entropy

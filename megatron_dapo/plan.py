@@ -44,8 +44,17 @@ Actor state per GPU (as `workers/build.py` builds it):
               With the fusion the GEMM accumulates into the buffer directly (0). The other fusions
               (RoPE, bias-dropout-add with dropout 0 and no bias, masked softmax: TE's attention never
               stores the softmax) do not change what is stored.
-  logits      with actor.use_fused_kernels off: T * V/TP * (a + 8) on the last stage (logits plus
-              fp32 log-softmax and its gradient); the fused kernels work in chunks (counted as 0).
+  LM head     (last stage) log-probs, entropy and sum p^2 come from `kernels.fused_logprob_stats` at the
+              real response tokens of a micro-batch only, N <= T (its token budget bounds them), and
+              never as [N, V/TP] logits: the hidden states at those tokens, a * h each, kept for
+              backward, their gradient, a * h, and 24 B of fp32 statistics per token, plus the
+              kernel's backward scratch (TRITON_SCRATCH_BYTES, 256 MiB) or, under sequence parallelism,
+              the gather of the micro-batch's sequence over TP (a * h per token), the larger of the two.
+  log-probs   after a compute_log_prob pass (activations freed): this rank's statistics at its real
+              tokens, the DP all-gather buffers and the gathered result, 4 B x K statistics (3: log-prob,
+              entropy, sum p^2) x (2 x batch tokens + this rank's tokens), batch tokens at their worst:
+              train_batch_size x n rows x max_response_length. The peak is the larger of this and the
+              training working set (activations + LM head).
   reference   params only, when a KL term is used (cfg.needs_reference).
   overhead    a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation
               (`--overhead-gb`, default 4 GiB: a rule of thumb, not a measurement).
@@ -71,99 +80,20 @@ import sys
 from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch
+from megatron_dapo.plan_params import (  # noqa: F401 - re-exported: the planner's public names
+    RankParams,
+    count_shards,
+    layer_params,
+    layers_of_rank,
+)
 
 GIB = 1024**3
-
-
-# --- parameters --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RankParams:
-    """Parameters held by one GPU of pipeline rank `pp_rank` (interleaved stages included)."""
-
-    pp_rank: int
-    dense: int
-    """Non-expert parameters (their optimizer state is sharded over DP x CP)."""
-    expert: int
-    """Expert parameters (optimizer state sharded over the expert-data-parallel group)."""
-    layers: tuple[int, ...]
-    """Decoder layer indices on this rank."""
-    mtp_layers: int
-    """MTP layers on this rank (the last stage holds them)."""
-
-
-def _mlp(arch: ModelArch, ffn: int) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one MLP with intermediate size ffn."""
-    h, n_in = arch.hidden_size, (2 * ffn if arch.swiglu else ffn)
-    bias = arch.add_bias_linear
-    return h * n_in + ffn * h + (n_in if bias else 0), (h if bias else 0)
-
-
-def _attention(arch: ModelArch) -> tuple[int, int]:
-    h, hd = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
-    sharded = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if (arch.add_qkv_bias or arch.add_bias_linear) else 0)
-    replicated = (h if arch.add_bias_linear else 0) + (2 * hd if arch.qk_layernorm else 0)
-    return sharded, replicated
-
-
-def _norm(arch: ModelArch) -> int:
-    return arch.hidden_size * (2 if arch.normalization == "LayerNorm" else 1)
-
-
-def layer_params(arch: ModelArch, *, moe: bool, tp: int, ep: int, etp: int) -> tuple[int, int]:
-    """(dense, expert) parameters of one decoder layer on one GPU."""
-    attn_s, attn_r = _attention(arch)
-    dense = math.ceil(attn_s / tp) + attn_r + 2 * _norm(arch)
-    if not moe:
-        mlp_s, mlp_r = _mlp(arch, arch.ffn_hidden_size)
-        return dense + math.ceil(mlp_s / tp) + mlp_r, 0
-    dense += arch.hidden_size * arch.num_moe_experts                      # router, replicated
-    if arch.moe_shared_expert_intermediate_size:
-        sh_s, sh_r = _mlp(arch, arch.moe_shared_expert_intermediate_size)
-        dense += math.ceil(sh_s / tp) + sh_r
-    ex_s, ex_r = _mlp(arch, arch.moe_ffn_hidden_size)
-    return dense, math.ceil(arch.num_moe_experts / ep) * (math.ceil(ex_s / etp) + ex_r)
-
-
-def layers_of_rank(num_layers: int, *, pp: int, vpp: int | None, pp_rank: int) -> tuple[int, ...]:
-    """Decoder layer indices held by pipeline rank pp_rank (virtual stages round robin)."""
-    chunks = vpp or 1
-    if num_layers % (pp * chunks):
-        raise ValueError(f"num_layers={num_layers} is not divisible by PP*VPP = {pp}*{chunks}")
-    per_stage = num_layers // (pp * chunks)
-    stages = [c * pp + pp_rank for c in range(chunks)]
-    return tuple(i for s in stages for i in range(s * per_stage, (s + 1) * per_stage))
-
-
-def count_shards(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
-                 vpp: int | None = None) -> list[RankParams]:
-    """Parameters per GPU for each pipeline rank."""
-    etp = etp or tp
-    pattern = arch.moe_layer_pattern()
-    h, vocab = arch.hidden_size, math.ceil(arch.vocab_size / tp)
-    out = []
-    for r in range(pp):
-        layers = layers_of_rank(arch.num_layers, pp=pp, vpp=vpp, pp_rank=r)
-        dense = expert = 0
-        for i in layers:
-            d, e = layer_params(arch, moe=bool(pattern[i]), tp=tp, ep=ep, etp=etp)
-            dense, expert = dense + d, expert + e
-        if r == 0:
-            dense += vocab * h                                              # input embedding
-        mtp = 0
-        if r == pp - 1:
-            # Output layer: its own weight when untied; a tied model's last stage keeps a copy when PP > 1.
-            if arch.untie_embeddings_and_output_weights or pp > 1:
-                dense += vocab * h
-            dense += _norm(arch)                                            # final norm
-            mtp = arch.mtp_num_layers
-            d, e = layer_params(arch, moe=bool(pattern[-1]), tp=tp, ep=ep, etp=etp)
-            # MTP layer: enorm + hnorm + its final norm, eh_proj [h, 2h] (column parallel), one layer.
-            dense += mtp * (3 * _norm(arch) + math.ceil(2 * h * h / tp) + d)
-            expert += mtp * e
-        out.append(RankParams(pp_rank=r, dense=dense, expert=expert, layers=layers, mtp_layers=mtp))
-    return out
+LM_HEAD_SCRATCH_BYTES = 256 << 20
+"""kernels.logprob_entropy.TRITON_SCRATCH_BYTES: the fused kernel's backward [C, V/TP] buffer (tested equal)."""
+LM_HEAD_STATS_BYTES = 24
+"""fp32 per-token statistics of the fused kernel: log-prob, entropy, lse, Ez and their two gradients."""
+LOGPROB_STATS = 3
+"""Statistics compute_log_prob may return per token: log-prob, entropy, sum p^2."""
 
 
 # --- activations -------------------------------------------------------------------------------
@@ -243,9 +173,12 @@ class MemoryPlan:
     actor_optimizer_replicated: int
     use_distributed_optimizer: bool
     actor_activations: int
-    actor_logits: int
     actor_wgrad: int
     """The unfused weight-gradient transient (0 with gradient_accumulation_fusion)."""
+    actor_lm_head: int
+    """The fused LM head's working memory at a micro-batch's real response tokens (last stage)."""
+    actor_logprobs: int
+    """compute_log_prob's gathered statistics after its pass, worst case (last stage)."""
     reference_params: int
     train_peak: int
     rollout_engine: str
@@ -277,7 +210,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
                 etp: int | None = None, vpp: int | None = None, sequence_parallel: bool | None = None,
                 params_dtype: str = "bf16", use_distributed_optimizer: bool = True,
                 grad_reduce_in_fp32: bool = True, max_tokens_per_microbatch: int, recompute: str = "none",
-                fused_logits: bool = True, needs_reference: bool = False, rollout_engine: str = "sglang",
+                logprob_rows: int = 1, max_response_length: int = 0, needs_reference: bool = False,
+                rollout_engine: str = "sglang",
                 rollout_mode: str = "colocate", rollout_tp: int = 1, gpu_memory_utilization: float = 0.85,
                 speculative: bool = False, max_seq_len: int, rollout_sequences: int = 1,
                 gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB, bias_activation_fusion: bool = True,
@@ -305,6 +239,11 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
     opt_bytes = 8 if params_dtype == "fp32" else 12         # m + v (+ fp32 master copy of bf16 params)
     tokens = math.ceil(max_tokens_per_microbatch / cp)
     pattern = arch.moe_layer_pattern()
+    h = arch.hidden_size
+    lm_head = tokens * (2 * p_bytes * h + LM_HEAD_STATS_BYTES) + max(
+        LM_HEAD_SCRATCH_BYTES, tokens * p_bytes * h if sequence_parallel and tp > 1 else 0)
+    batch_tokens = logprob_rows * max_response_length
+    logprobs = 4 * LOGPROB_STATS * (2 * batch_tokens + math.ceil(batch_tokens / dp))
 
     def per_layer(i: int) -> float:
         return layer_activation_bytes_per_token(arch, moe=bool(pattern[i]), tp=tp, etp=etp,
@@ -323,16 +262,17 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         flight = in_flight_microbatches(pp=pp, vpp=vpp, pp_rank=rank.pp_rank)
         opt_dist = (math.ceil(rank.dense * opt_bytes / (dp * cp))
                     + math.ceil(rank.expert * opt_bytes / expert_dp))
-        unfused_logits = rank.pp_rank == pp - 1 and not fused_logits
+        last = rank.pp_rank == pp - 1
         m = dict(rank=rank, n=n, params=n * p_bytes, grads=n * g_bytes, opt_dist=opt_dist,
                  opt_repl=n * opt_bytes, optimizer=opt_dist if use_distributed_optimizer else n * opt_bytes,
                  reference=n * p_bytes if needs_reference else 0, flight=flight,
                  activations=math.ceil(tokens * (stored * flight + working)),
-                 logits=tokens * math.ceil(arch.vocab_size / tp) * (p_bytes + 8) if unfused_logits else 0,
+                 lm_head=lm_head if last else 0, logprobs=logprobs if last else 0,
                  wgrad=0 if gradient_accumulation_fusion else p_bytes * largest_linear_weight(
-                     arch, tp=tp, etp=etp, last_stage=rank.pp_rank == pp - 1))
+                     arch, tp=tp, etp=etp, last_stage=last))
         m["resident"] = m["params"] + m["grads"] + m["optimizer"] + m["reference"]
-        m["peak"] = m["resident"] + m["activations"] + m["logits"] + m["wgrad"] + overhead
+        # The unfused weight gradient is a backward transient, alive with the activations.
+        m["peak"] = m["resident"] + max(m["activations"] + m["lm_head"] + m["wgrad"], m["logprobs"]) + overhead
         return m
 
     ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
@@ -360,8 +300,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         actor_params=busiest["params"], actor_grads=busiest["grads"], actor_optimizer=busiest["optimizer"],
         actor_optimizer_distributed=busiest["opt_dist"], actor_optimizer_replicated=busiest["opt_repl"],
         use_distributed_optimizer=use_distributed_optimizer, actor_activations=busiest["activations"],
-        actor_logits=busiest["logits"], actor_wgrad=busiest["wgrad"], reference_params=busiest["reference"],
-        train_peak=busiest["peak"],
+        actor_lm_head=busiest["lm_head"], actor_logprobs=busiest["logprobs"], actor_wgrad=busiest["wgrad"],
+        reference_params=busiest["reference"], train_peak=busiest["peak"],
         rollout_engine=rollout_engine, rollout_mode=rollout_mode, rollout_tp=rollout_tp_used,
         rollout_weights=weights, rollout_kv_cache=kv, rollout_kv_tokens=max(kv, 0) // per_token,
         rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
@@ -395,7 +335,8 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
         use_distributed_optimizer=cfg.actor.use_distributed_optimizer is not False,
         grad_reduce_in_fp32=True,                      # workers/build.py: DistributedDataParallelConfig
         max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, recompute=cfg.model.recompute,
-        fused_logits=cfg.actor.use_fused_kernels is not False, needs_reference=cfg.needs_reference,
+        logprob_rows=cfg.data.train_batch_size * cfg.rollout.n, max_response_length=cfg.data.max_response_length,
+        needs_reference=cfg.needs_reference,
         rollout_engine=cfg.rollout.engine, rollout_mode=cfg.rollout.mode,
         rollout_tp=cfg.rollout.tensor_model_parallel_size,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -420,8 +361,9 @@ def check_fits(plan: MemoryPlan) -> None:
         problems.append(
             f"actor training (pipeline rank {plan.pp_rank}) needs {_g(plan.train_peak)} > GPU "
             f"{_g(plan.gpu_memory)}: params {_g(plan.actor_params)} + grads {_g(plan.actor_grads)} + "
-            f"optimizer {_g(plan.actor_optimizer)} + activations {_g(plan.actor_activations)} + logits "
-            f"{_g(plan.actor_logits)} + wgrad {_g(plan.actor_wgrad)} + reference {_g(plan.reference_params)} + "
+            f"optimizer {_g(plan.actor_optimizer)} + reference {_g(plan.reference_params)} + max(activations "
+            f"{_g(plan.actor_activations)} + LM head {_g(plan.actor_lm_head)} + wgrad {_g(plan.actor_wgrad)}, "
+            f"log-probs {_g(plan.actor_logprobs)}) + "
             f"overhead {_g(plan.overhead)}")
     if plan.rollout_engine == "sglang":
         if plan.rollout_kv_tokens < plan.max_seq_len:
@@ -456,8 +398,10 @@ def format_plan(plan: MemoryPlan) -> str:
         ("actor activations", plan.actor_activations,
          f"recompute {plan.recompute}, {plan.micro_batch_tokens} tokens per micro-batch, "
          f"{plan.in_flight:g} in flight"),
-        ("actor logits", plan.actor_logits,
-         "unfused, last stage" if plan.actor_logits else "fused kernels (chunked)"),
+        ("actor LM head", plan.actor_lm_head,
+         "fused log-prob kernel at real response tokens, last stage" if plan.actor_lm_head else "not on this stage"),
+        ("actor log-probs", plan.actor_logprobs,
+         "compute_log_prob's gathered statistics (worst case; after the pass, not with activations)"),
         ("actor wgrad", plan.actor_wgrad,
          "unfused: largest linear weight's gradient" if plan.actor_wgrad else "gradient_accumulation_fusion"),
         ("reference params", plan.reference_params,
@@ -511,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan))
+    if cfg.rollout.engine == "sglang":
+        from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
+        from megatron_dapo.workers.model_arch import model_arch
+
+        print(format_weight_sync(plan_weight_sync_from_config(cfg, arch=model_arch(cfg, vocab_size=0))))
     try:
         check_fits(plan)
     except ValueError as e:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch
+from megatron_dapo.plan_params import count_shards
 
 GB = 1e9
 
@@ -62,8 +63,6 @@ class WeightSyncPlan:
 def plan_weight_sync(arch: ModelArch, *, tp: int, pp: int, ep: int = 1, etp: int | None = None,
                      vpp: int | None = None, dtype_bytes: int, transport: str, server_ranks: int,
                      nodes: int = 1, bucket_bytes: int = 512 * 2**20) -> WeightSyncPlan:
-    from megatron_dapo.plan import count_shards
-
     etp = etp or tp
     full = count_shards(arch, tp=1, pp=pp, ep=1, etp=1, vpp=vpp)
     mine = count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)
@@ -105,8 +104,8 @@ def format_weight_sync(plan: WeightSyncPlan) -> str:
     for s in plan.stages:
         lines.append(f"  stage {s.pp_rank}: {s.stage_bytes / GB:.2f} GB; its sender gathers "
                      f"{s.sender_gathers / GB:.2f} GB from its TP/EP peers (each sends <= {s.peer_sends / GB:.2f} GB), "
-                     f"then sends {plan.sender_egress(s.pp_rank) / GB:.1f} GB on gloo "
-                     f"(NCCL ring: about {s.stage_bytes / GB:.2f} GB per link)")
+                     f"then broadcasts it (NCCL: about {s.stage_bytes / GB:.2f} GB per link; gloo: once per receiver, "
+                     f"{plan.sender_egress(s.pp_rank) / GB:.1f} GB)")
     if plan.transport == "ipc":
         lines.append(f"  ipc: each of {plan.nodes} node leaders receives the model once "
                      f"({plan.model_bytes / GB:.2f} GB) and hands CUDA IPC handles to its node's servers (no copy)")

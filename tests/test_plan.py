@@ -4,6 +4,7 @@ with its numbers, and the tiny actor's measured parameter / gradient / optimizer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -102,12 +103,33 @@ def test_moe_activation_closed_form():
                                             act_bytes=2) == 120 + 32 + 2 * 56
 
 
+_SMALL = dict(world_size=1, params_dtype="bf16", max_tokens_per_microbatch=100, max_seq_len=50,
+              use_distributed_optimizer=False, rollout_engine="sglang", rollout_tp=1,
+              gpu_memory_utilization=0.5, gpu_memory=GIB, overhead=0)
+
+
 def _small_plan(**kw):
-    args = dict(world_size=1, params_dtype="bf16", max_tokens_per_microbatch=100, max_seq_len=50,
-                use_distributed_optimizer=False, rollout_engine="sglang", rollout_tp=1,
-                gpu_memory_utilization=0.5, gpu_memory=GIB, overhead=0)
-    args.update(kw)
-    return plan_memory(SMALL, **args)
+    return plan_memory(SMALL, **{**_SMALL, **kw})
+
+
+def test_lm_head_counts_real_tokens_and_the_kernel_scratch_never_logits():
+    """The fused LM head at T = 100 tokens of h = 8 in bf16: hidden + its gradient (2 x 2 B x 8) and 24 B of
+    statistics per token, plus the kernel's 256 MiB backward scratch; no [T, V] term at any vocabulary;
+    under SP at TP 2 the larger of the scratch and the sequence gather."""
+    from megatron_dapo.kernels.logprob_entropy import TRITON_SCRATCH_BYTES
+
+    assert plan_mod.LM_HEAD_SCRATCH_BYTES == TRITON_SCRATCH_BYTES
+    p = _small_plan()
+    assert p.actor_lm_head == 100 * (2 * 2 * 8 + 24) + TRITON_SCRATCH_BYTES
+    big_vocab = plan_memory(dataclasses.replace(SMALL, vocab_size=150_000), **{**_SMALL, "world_size": 1})
+    assert big_vocab.actor_lm_head == p.actor_lm_head
+    assert p.train_peak == p.resident_train_state + max(p.actor_activations + p.actor_lm_head, p.actor_logprobs)
+
+
+def test_log_prob_buffers_follow_real_tokens_of_the_rank_and_the_batch():
+    # 64 rows x 50 tokens at their worst, 3 statistics x 4 B: result + gather buffers (2 x batch) + own shard / DP
+    p = _small_plan(world_size=4, logprob_rows=64, max_response_length=50)
+    assert p.actor_logprobs == 12 * (2 * 64 * 50 + 64 * 50 // 4)
 
 
 def test_full_recompute_keeps_layer_inputs_plus_one_layer():
@@ -116,14 +138,16 @@ def test_full_recompute_keeps_layer_inputs_plus_one_layer():
     assert full.actor_activations == 100 * (2 * 2 * 8 + 216)             # 2 layers x a*h, + 1 layer at work
 
 
-def test_pipeline_rank0_holds_pp_microbatches_and_is_the_busiest():
+def test_pipeline_ranks_hold_pp_minus_rank_microbatches_and_the_last_the_lm_head():
     arch = get_arch("tiny", vocab_size=18)
     one = plan_memory(arch, world_size=1, max_tokens_per_microbatch=64, max_seq_len=28, overhead=0)
     two = plan_memory(arch, world_size=2, pp=2, max_tokens_per_microbatch=64, max_seq_len=28, overhead=0)
     per_layer = layer_activation_bytes_per_token(arch, moe=False, tp=1, etp=1, sequence_parallel=False, act_bytes=2)
     assert one.actor_activations == math.ceil(64 * 4 * per_layer)
-    assert (two.pp_rank, two.in_flight) == (0, 2.0)
-    assert two.actor_activations == math.ceil(64 * 2 * per_layer * 2)   # 2 layers, 2 micro-batches in flight
+    assert plan_mod.in_flight_microbatches(pp=2, vpp=None, pp_rank=0) == 2.0
+    # at this size the LM head's 256 MiB kernel scratch outweighs rank 0's second micro-batch in flight
+    assert (two.pp_rank, two.in_flight) == (1, 1.0) and two.actor_lm_head == one.actor_lm_head > 0
+    assert two.actor_activations == math.ceil(64 * 2 * per_layer * 1)   # 2 layers, 1 micro-batch in flight
 
 
 def test_optimizer_bytes_per_param_and_distributed_sharding():
@@ -170,16 +194,17 @@ def test_oversized_config_is_refused_naming_components_and_numbers():
 def test_every_plan_input_comes_from_its_config_field(monkeypatch):
     seen = {}
     monkeypatch.setattr(plan_mod, "plan_memory", lambda arch, **kw: seen.update(kw) or "plan")
-    cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "parallel.context_parallel_size=2",
-               "actor.use_distributed_optimizer=false", "actor.use_fused_kernels=false", "actor.use_kl_loss=true",
+    cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml",
+               "actor.use_distributed_optimizer=false", "actor.use_kl_loss=true",
                "rollout.mode=disaggregate", "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
                "rollout.gpu_memory_utilization=0.7", "actor.max_tokens_per_microbatch=30000",
                "parallel.sequence_parallel=true")
     assert plan_from_config(cfg, arch=get_arch("qwen3-30b-a3b"), gpu_memory_gib=96, overhead_gib=2) == "plan"
     assert seen == dict(
-        world_size=128, tp=2, pp=1, cp=2, ep=8, etp=1, vpp=None, sequence_parallel=True, params_dtype="bf16",
+        world_size=128, tp=2, pp=1, cp=1, ep=8, etp=1, vpp=None, sequence_parallel=True, params_dtype="bf16",
         use_distributed_optimizer=False, grad_reduce_in_fp32=True, max_tokens_per_microbatch=30000,
-        recompute="selective", fused_logits=False, needs_reference=True, rollout_engine="sglang",
+        recompute="selective", logprob_rows=512 * 16, max_response_length=20480, needs_reference=True,
+        rollout_engine="sglang",
         rollout_mode="disaggregate", rollout_tp=4, gpu_memory_utilization=0.7, speculative=True,
         max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB,
         bias_activation_fusion=True, gradient_accumulation_fusion=True)     # TE's defaults
@@ -312,3 +337,22 @@ def test_sequence_parallel_none_means_on_when_tp_above_one():
     for tp, resolved in ((1, False), (2, True)):
         auto = _small_plan(world_size=tp, tp=tp, sequence_parallel=None)
         assert auto == _small_plan(world_size=tp, tp=tp, sequence_parallel=resolved)
+
+
+def test_weight_sync_plan_for_the_32b_recipe_by_hand():
+    """TP8 x PP2, bf16: each stage is half the model; its sender holds 1/8 of the TP-sharded tensors and the
+    replicated norms, so it gathers the other 7/8; each TP peer sends its 1/8; every server TP rank gets all."""
+    from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync
+
+    arch = get_arch("qwen2.5-32b")
+    plan = plan_weight_sync(arch, tp=8, pp=2, dtype_bytes=2, transport="distributed", server_ranks=128)
+    full = count_shards(arch, tp=1, pp=2)
+    shard = count_shards(arch, tp=8, pp=2)
+    assert plan.model_bytes == 2 * count_parameters(arch)["total"]
+    for s, f, m in zip(plan.stages, full, shard, strict=True):
+        assert s.stage_bytes == 2 * (f.dense + f.expert)
+        assert s.sender_gathers == 2 * (f.dense - m.dense)
+        assert s.peer_sends == s.sender_gathers // 7
+        assert s.sender_gathers == pytest.approx(7 / 8 * s.stage_bytes, rel=1e-3)  # norms are replicated
+    assert plan.sender_egress(0) == 128 * plan.stages[0].stage_bytes
+    assert "65.53 GB per server TP rank" in format_weight_sync(plan)

@@ -150,7 +150,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     """Tensor parallel size inside experts; None = tensor_model_parallel_size."""
     context_parallel_size: int = 1
-    """Context parallel size (long sequences). [recipe: actor_rollout_ref.actor.megatron.context_parallel_size]"""
+    """Context parallel size; only 1: context parallelism is not implemented (sequences are not split over CP ranks), a larger value is refused. [recipe: actor_rollout_ref.actor.megatron.context_parallel_size]"""
     sequence_parallel: bool | None = None
     """Sequence parallelism with TP; None = on whenever TP > 1 (Megatron requires it for MoE with TP > 1)."""
 
@@ -158,6 +158,9 @@ class ParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "expert_model_parallel_size", "context_parallel_size"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
+        _check(self.context_parallel_size == 1, "parallel.context_parallel_size",
+               "1 (context parallelism is not implemented: sequences would not be split over CP ranks, "
+               "giving wrong log-probs and gradients)", self.context_parallel_size)
         if self.virtual_pipeline_model_parallel_size is not None:
             _check(self.pipeline_model_parallel_size > 1, "parallel.virtual_pipeline_model_parallel_size",
                    "null unless pipeline_model_parallel_size > 1", self.virtual_pipeline_model_parallel_size)
@@ -221,7 +224,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the loss term (kl, abs, mse, low_var_kl, k1, k2, k3, with optional +). [recipe: actor_rollout_ref.actor.kl_loss_type]"""
     use_fused_kernels: bool | None = None
-    """Triton fused log-prob/entropy and clipped-loss kernels; None = on for CUDA, chunked torch on CPU. [recipe: actor_rollout_ref.model.use_fused_kernels]"""
+    """The fused clipped-loss kernel (Triton on CUDA, chunked torch on CPU); None = on for CUDA. Log-probs, entropy and sum p^2 always come from the fused log-prob kernel, at real response tokens only. [recipe: actor_rollout_ref.model.use_fused_kernels]"""
     use_distributed_optimizer: bool | None = None
     """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
     mtp_loss_scaling_factor: float = 0.1

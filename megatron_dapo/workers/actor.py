@@ -1,23 +1,27 @@
-"""The Megatron actor: per-token log-probs and the DAPO policy update.
+"""The Megatron actor: the DAPO policy update on top of `workers.policy.PolicyModel`.
 
 Shape legend:
-    B  rows (responses) of the batch, prompt-major   T  response width   b, S  one micro-batch
-    log_probs, entropy, response_mask, advantages: [B, T]
+    B  rows (responses) of the batch, prompt-major   T  response width
+    log_probs, entropy, response_mask, advantages: [B, T] at the edges (PolicyBatch, LogProbs)
+    b, W  one micro-batch's rows and its longest response: the loss works on [b, W] per-row tensors
+    N  the micro-batch's real response tokens: what the LM head and the kernel see
 
 Data parallelism is SPMD: every rank holds the whole batch, works on its DP shard of the rows and
 the results are reduced across DP. The loss of every micro-batch is normalised by the *global*
 token count (or sequence count) of its mini-batch, computed once from the whole mini-batch before
 the micro-batch loop (STYLE.md rule 7), so the objective does not depend on how a mini-batch is
-split into micro-batches or DP ranks. Megatron's schedule divides each micro-batch loss by the
-number of micro-batches and DDP averages gradients over DP; `_loss_func` undoes the first and the
-`dp_size` factor of `agg_loss` undoes the second.
+split into micro-batches or DP ranks: each rank sorts and packs its rows freely, and fillers
+(micro-batches without rows, which keep the count equal across DP ranks) add nothing. Megatron's
+schedule divides each micro-batch loss by the number of micro-batches and DDP averages gradients
+over DP; `_loss_func` undoes the first and the `dp_size` factor of `agg_loss` undoes the second.
+(Megatron's MoE aux loss and MTP loss are per micro-batch by design: their weight per micro-batch is
+1 / micro-batch count, fillers included.)
 
 Every actor config field reaches the loss by keyword (STYLE.md rule 2; tested).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -28,274 +32,11 @@ from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.policy_loss import agg_loss, get_policy_loss_fn
 from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.config.schema import ActorConfig
-from megatron_dapo.models.forward import main_logits, unwrap_model
 from megatron_dapo.workers.batch import PolicyBatch
-from megatron_dapo.workers.logprob import logprob_entropy_from_logits
-from megatron_dapo.workers.microbatch import MicroBatch, make_microbatches, scatter_rows, to_response_aligned
+from megatron_dapo.workers.microbatch import MicroBatch
+from megatron_dapo.workers.policy import LogProbs, PassPlan, PolicyModel, dp_shard_rows
 
-
-@dataclass(frozen=True)
-class LogProbs:
-    log_probs: Tensor  # [B, T] float32
-    entropy: Tensor | None  # [B, T] float32
-    sum_sq_probs: Tensor | None  # [B, T] float32, sum_v p_v^2 (variance proxy)
-    routed_counts: Tensor | None = None  # [L, E] int64: MoE assignments of response tokens per layer/expert
-
-
-def dp_shard_rows(lengths: list[int], dp_size: int, dp_rank: int, *, balance: bool) -> list[int]:
-    """This DP rank's rows. balance=True deals rows longest-first in a snake order so every rank gets
-    about the same number of tokens; otherwise contiguous chunks. Deterministic on every rank."""
-    n = len(lengths)
-    if n < dp_size:
-        raise ValueError(f"{n} rows cannot be split over {dp_size} data-parallel ranks")
-    if not balance:
-        per = -(-n // dp_size)
-        return list(range(dp_rank * per, min(n, (dp_rank + 1) * per)))
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    mine = []
-    for k, i in enumerate(order):
-        lap, pos = divmod(k, dp_size)
-        if (pos if lap % 2 == 0 else dp_size - 1 - pos) == dp_rank:
-            mine.append(i)
-    return sorted(mine)
-
-
-class PolicyModel:
-    """A (possibly pipelined / DDP-wrapped) Megatron model that computes per-token log-probs."""
-
-    def __init__(self, model_chunks: list, *, pgs, pad_id: int, temperature: float, max_tokens: int,
-                 vocab_size: int, fused: bool = False, router_replay: bool = False):
-        """fused: the training forward stops before the output layer and computes log-probs and entropy
-        with `kernels.fused_logprob_entropy` (Triton on CUDA, chunked torch on CPU), never holding the
-        [tokens, V/tp] logits; models with MTP layers keep the logits path."""
-        self.chunks, self.pgs = model_chunks, pgs
-        self.pad_id, self.temperature, self.max_tokens = pad_id, temperature, max_tokens
-        self.vocab_size = vocab_size
-        self.fused = fused and not unwrap_model(model_chunks[-1]).config.mtp_num_layers
-        self.router_replay = router_replay
-        # Router replay: per row of the last compute_log_prob batch, per MoE layer, the top-k experts of
-        # each position [seq_len, K]; keyed by the batch's responses tensor so a stale record is never used.
-        self._routing: dict | None = None
-        # Sequence parallelism splits the sequence over TP ranks (context parallelism in 2*cp chunks).
-        self.seq_multiple = pgs.tp_size * (2 * pgs.cp_size if pgs.cp_size > 1 else 1)
-
-    # -- one micro-batch -------------------------------------------------------------------------
-    def _forward(self, model, mb: MicroBatch, *, hidden: bool = False):
-        """Logits [b, S, V/tp] of the main head on the last stage (MTP handled), activations elsewhere;
-        hidden=True: the output layer's input [b, S(/tp under SP), H] instead of logits."""
-        dev = self.pgs.device
-        ids, pos = mb.input_ids.to(dev), mb.position_ids.to(dev)
-        inner = unwrap_model(model)
-        if hidden and inner.post_process:
-            with _output_layer_bypassed(inner):
-                return model(ids, pos, None)
-        return main_logits(model, ids, pos, None, mb.labels.to(dev), gather=False)
-
-    def fused_token_stats(self, hidden: Tensor, mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
-        """(log-probs, entropy) [b, T] from the output layer's input, without materialising the logits."""
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        from megatron_dapo.kernels import fused_logprob_entropy
-
-        inner = unwrap_model(self.chunks[-1])
-        if inner.config.sequence_parallel and self.pgs.tp_size > 1:
-            # The kernel all-reduces d hidden over TP itself: gather with a plain split as backward.
-            hidden = gather_from_sequence_parallel_region(hidden.transpose(0, 1), tensor_parallel_output_grad=False,
-                                                          group=self.pgs.tp).transpose(0, 1)
-        b, S, h = hidden.shape
-        idx = (mb.resp_start.unsqueeze(1) + torch.arange(width).unsqueeze(0)).clamp(max=S - 1).to(hidden.device)
-        hid = hidden.gather(1, idx.unsqueeze(-1).expand(b, width, h)).reshape(b * width, h)
-        labels = to_response_aligned(mb.labels.to(hidden.device), mb, width).reshape(b * width)
-        weight = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
-                  else inner.output_layer.weight)
-        # Labels outside this TP rank's vocabulary shard are handled inside the kernel.
-        logp, ent = fused_logprob_entropy(hid, weight, labels, temperature=self.temperature,
-                                          tp_group=self.pgs.tp if self.pgs.tp_size > 1 else None)
-        return logp.view(b, width), ent.view(b, width)
-
-    def _response_logits(self, output: Tensor, mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
-        """Vocab-parallel logits at the response positions [b*T, V/tp] and their labels [b*T]."""
-        b, S, vp = output.shape
-        idx = (mb.resp_start.unsqueeze(1) + torch.arange(width).unsqueeze(0)).clamp(max=S - 1).to(output.device)
-        logits = output.gather(1, idx.unsqueeze(-1).expand(b, width, vp))
-        labels = to_response_aligned(mb.labels.to(output.device), mb, width)
-        return logits.reshape(b * width, vp), labels.reshape(b * width)
-
-    def token_stats(self, output, mb, width, *, entropy: bool, sum_sq: bool):
-        logits, labels = self._response_logits(output, mb, width)
-        vp = logits.shape[-1]
-        logp, ent, sq = logprob_entropy_from_logits(
-            logits, labels, temperature=self.temperature, tp_group=self.pgs.tp,
-            vocab_start=self.pgs.tp_rank * vp, compute_entropy=entropy, compute_sum_sq=sum_sq)
-        b = mb.rows.numel()
-        return (logp.view(b, width), None if ent is None else ent.view(b, width),
-                None if sq is None else sq.view(b, width))
-
-    # -- MoE routing counts (load-balance metrics) -------------------------------------------------
-    @property
-    def is_moe(self) -> bool:
-        return bool(self._routers())
-
-    def _routers(self) -> list:
-        """The decoder's MoE routers (MTP layers excluded: they are the drafter, not the policy)."""
-        return [m for c in self.chunks for name, m in unwrap_model(c).named_modules()
-                if type(m).__name__ == "TopKRouter" and not name.startswith("mtp.")]
-
-    def _count_routing(self, routers: list, counts: list, current: list):
-        """Forward hooks adding each router's assignments of response tokens to counts[layer].
-
-        The router sees the micro-batch flattened sequence-first ([s, b] order; under sequence
-        parallelism only this TP rank's sequence shard), so the response mask is laid out alike."""
-        def make_hook(layer: int):
-            def hook(module, args, output):
-                routing_map = output[1]  # [tokens, E] bool
-                mask = current[0]
-                if mask is None or routing_map.shape[0] != mask.numel():
-                    return
-                counts[layer] += (routing_map.to(torch.int64) * mask.to(routing_map.device).unsqueeze(1)).sum(0).cpu()
-            return hook
-
-        return [r.register_forward_hook(make_hook(i)) for i, r in enumerate(routers)]
-
-    def _response_token_mask(self, mb: MicroBatch) -> Tensor:
-        """[s*b] int mask of response input tokens, flattened sequence-first, this rank's SP shard."""
-        b, S = mb.input_ids.shape
-        pos = torch.arange(S).unsqueeze(0)
-        start = mb.resp_start.unsqueeze(1) + 1
-        mask = ((pos >= start) & (pos < mb.seq_len.unsqueeze(1))).to(torch.int64).t()  # [S, b]
-        if unwrap_model(self.chunks[0]).config.sequence_parallel and self.pgs.tp_size > 1:
-            shard = S // self.pgs.tp_size
-            mask = mask[self.pgs.tp_rank * shard:(self.pgs.tp_rank + 1) * shard]
-        return mask.reshape(-1)
-
-    # -- router replay ---------------------------------------------------------------------------
-    def _set_replay_action(self, action: str | None) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        for r in self._routers():
-            if action is None:
-                r.router_replay.clear_router_replay_action()
-                r.router_replay.clear_indices()
-            else:
-                r.router_replay.set_router_replay_action(RouterReplayAction[action])
-
-    def _collect_routing(self, mb: MicroBatch, out: dict[int, list]) -> None:
-        """After a recorded forward: each router's [S*b, K] top-k (sequence-first) -> per row [seq_len, K]."""
-        b, S = mb.input_ids.shape
-        per_layer = [r.router_replay.get_recorded_indices().reshape(S, b, -1).cpu() for r in self._routers()]
-        for k, row in enumerate(mb.rows.tolist()):
-            n = int(mb.seq_len[k])
-            out[row] = [idx[:n, k].clone() for idx in per_layer]
-
-    def replay_targets(self, mb: MicroBatch, responses: Tensor) -> None:
-        """Before a training forward: set every router's replay target from the recorded routing."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        if self._routing is None or self._routing["key"] is not responses:
-            raise ValueError("actor.router_replay: no routing was recorded for this batch "
-                             "(compute_log_prob must run on the same batch first)")
-        b, S = mb.input_ids.shape
-        for layer, r in enumerate(self._routers()):
-            K = r.topk
-            target = torch.arange(K).repeat(S, b, 1)  # padding positions: any K distinct experts
-            for k, row in enumerate(mb.rows.tolist()):
-                rec = self._routing["rows"][row][layer]
-                target[: rec.shape[0], k] = rec
-            r.router_replay.clear_indices()
-            r.router_replay.set_target_indices(target.reshape(S * b, K).to(self.pgs.device))
-            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-
-    # -- the schedule ----------------------------------------------------------------------------
-    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, hidden: bool = False,
-            before_forward=None):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            if before_forward is not None:
-                before_forward(mb)
-            return self._forward(model, mb, hidden=hidden), partial(loss_func, mb)
-
-        _reset_megatron_loss_scalers()
-        fb = get_forward_backward_func()
-        seq = max(int(mb.input_ids.shape[1]) for mb in microbatches)
-        mbs = max(int(mb.input_ids.shape[0]) for mb in microbatches)
-        its = [iter(microbatches) for _ in self.chunks] if len(self.chunks) > 1 else iter(microbatches)
-        return fb(forward_step_func=forward_step, data_iterator=its, model=self.chunks,
-                  num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
-                  forward_only=forward_only)
-
-    @torch.no_grad()
-    def compute_log_prob(self, prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor,
-                         response_length: Tensor, *, with_entropy: bool = False,
-                         with_sum_sq: bool = False) -> LogProbs:
-        """Per-token log-probs of the responses at the sampling temperature (all ranks get [B, T])."""
-        B, T = responses.shape
-        lengths = (prompt_length + response_length).tolist()
-        rows = dp_shard_rows(lengths, self.pgs.dp_size, self.pgs.dp_rank, balance=True)
-        mbs = make_microbatches(prompt_ids, prompt_length, responses, response_length, rows=rows,
-                                max_tokens=self.max_tokens, pad_id=self.pad_id, sort_by_length=True,
-                                seq_multiple=self.seq_multiple)
-        out = {k: torch.zeros(B, T) for k in ("lp", "ent", "sq")}
-        routers = self._routers() if self.pgs.pp_size == 1 else []  # per-stage layers: PP not counted
-        current: list = [None]
-        counts = [torch.zeros(r.config.num_moe_experts, dtype=torch.int64) for r in routers]
-        hooks = self._count_routing(routers, counts, current)
-        mb_iter = iter(mbs)
-
-        def next_mask(module, args):
-            current[0] = self._response_token_mask(next(mb_iter))
-
-        if routers:
-            hooks.append(unwrap_model(self.chunks[0]).register_forward_pre_hook(next_mask))
-
-        record = self.router_replay and bool(self._routers())
-        if record:
-            self._set_replay_action("RECORD")
-            rows_routing: dict[int, list] = {}
-
-        def loss_func(mb, output):
-            if record:
-                self._collect_routing(mb, rows_routing)
-            lp, ent, sq = self.token_stats(output, mb, T, entropy=with_entropy, sum_sq=with_sum_sq)
-            for key, val in (("lp", lp), ("ent", ent), ("sq", sq)):
-                if val is not None:
-                    scatter_rows(out[key], mb, val.float().cpu())
-            return lp.new_zeros(()), {}
-
-        for m in self.chunks:
-            m.eval()
-        try:
-            self.run(mbs, loss_func, forward_only=True)
-        finally:
-            for h in hooks:
-                h.remove()
-            if record:
-                self._set_replay_action(None)
-        if record:
-            if self.pgs.dp_size > 1:  # the update shards rows differently: every rank keeps every row
-                parts: list = [None] * self.pgs.dp_size
-                dist.all_gather_object(parts, rows_routing, group=self.pgs.dp)
-                rows_routing = {k: v for part in parts for k, v in part.items()}
-            self._routing = {"key": responses, "rows": rows_routing}
-        routed = self._reduce_counts(counts) if routers else None
-        stacked = torch.stack([out["lp"], out["ent"], out["sq"]]).to(self.pgs.device)
-        if self.pgs.pp_size > 1:  # only the last stage computed them
-            dist.broadcast(stacked, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
-        if self.pgs.dp_size > 1:  # disjoint rows: a sum is a gather
-            dist.all_reduce(stacked, group=self.pgs.dp)
-        stacked = stacked.cpu()
-        return LogProbs(stacked[0], stacked[1] if with_entropy else None, stacked[2] if with_sum_sq else None,
-                        routed_counts=routed)
-
-    def _reduce_counts(self, counts: list[Tensor]) -> Tensor:
-        total = torch.stack(counts).to(self.pgs.device)  # [L, E]
-        if self.pgs.dp_size > 1:  # disjoint rows
-            dist.all_reduce(total, group=self.pgs.dp)
-        sp = unwrap_model(self.chunks[0]).config.sequence_parallel
-        if sp and self.pgs.tp_size > 1:  # each TP rank routed its own sequence shard
-            dist.all_reduce(total, group=self.pgs.tp)
-        return total.cpu()
+__all__ = ["Actor", "LogProbs", "PolicyModel", "dp_shard_rows"]
 
 
 class Actor:
@@ -315,23 +56,27 @@ class Actor:
         return self.policy.compute_log_prob(*args, **kwargs)
 
     def _loss_func(self, batch: PolicyBatch, totals: dict, denom: dict, num_mbs: int, record: dict | None,
-                   mb: MicroBatch, output):
-        """record (update_policy_on_policy): [B, T] buffers receiving the detached log-probs ("lp") and
-        sum of squared probabilities ("sq", or None); old_log_prob is then logp.detach()."""
-        cfg, T = self.cfg, batch.responses.shape[1]
+                   plan: PassPlan, mb: MicroBatch, output):
+        """record (update_policy_on_policy): {"buf": [K, N_local] this rank's token buffer receiving the
+        detached log-probs (and sum p^2 when "sq"), "sq": bool}; old_log_prob is then logp.detach()."""
+        cfg = self.cfg
+        if not mb.token_index.numel():
+            # A filler (or rows without a response token): no loss, no token, no share of any
+            # denominator; the backward still runs (MoE all-to-all and pipeline partners).
+            return output.sum() * 0.0, {}
         rows = mb.rows
-        sq = None
-        if self.policy.fused:
-            logp, ent = self.policy.fused_token_stats(output, mb, T)
-        else:
-            logp, ent, sq = self.policy.token_stats(output, mb, T, entropy=True,
-                                                    sum_sq=record is not None and record["sq"] is not None)
+        want_sq = record is not None and record["sq"]
+        lp_tok, ent_tok, sq_tok = self.policy.token_stats(output, mb, weight=self.policy.lm_head_weight(),
+                                                          entropy=True, sum_sq=want_sq)
         if record is not None:
-            scatter_rows(record["lp"], mb, logp.detach().float().cpu())
-            if sq is not None:
-                scatter_rows(record["sq"], mb, sq.detach().float().cpu())
+            dest = plan.dest[id(mb)].to(record["buf"].device)
+            record["buf"][0, dest] = lp_tok.detach()
+            if want_sq:
+                record["buf"][1, dest] = sq_tok
+        logp, ent = mb.to_rows(lp_tok), mb.to_rows(ent_tok)  # [b, W]
+        W = mb.width
         dev = logp.device
-        take = lambda t: None if t is None else t.index_select(0, rows).to(dev)  # noqa: E731
+        take = lambda t: None if t is None else t.index_select(0, rows)[:, :W].to(dev)  # noqa: E731
         mask = take(batch.response_mask)
         is_weights = take(batch.rollout_is_weights)
         if self.bypass_correction is not None:
@@ -393,7 +138,7 @@ class Actor:
         gradient are those of the recomputed path, one forward cheaper (trainer: actor.old_log_prob_from_update).
 
         Returns the metrics and those log-probs ([B, T] on every rank, like compute_log_prob), with the
-        per-token sum of squared probabilities when `with_sum_sq` (not on the fused-kernel path: None).
+        per-token sum of squared probabilities when `with_sum_sq`.
         """
         if batch.old_log_probs is not None:
             raise ValueError("update_policy_on_policy: batch.old_log_probs must be None (it is taken from the update)")
@@ -402,20 +147,14 @@ class Actor:
                 f"update_policy_on_policy needs exactly one optimizer step: ppo_epochs=1 (got {self.cfg.ppo_epochs}) "
                 f"and a batch of ppo_mini_batch_size*n = {self.cfg.ppo_mini_batch_size * self.n} rows (got {len(batch)})")
         self._check_update_batch(batch)
-        B, T = batch.responses.shape
-        record = {"lp": torch.zeros(B, T), "sq": torch.zeros(B, T) if with_sum_sq and not self.policy.fused else None}
+        record = {"sq": with_sum_sq}
         self._begin_training_step()
         for m in self.policy.chunks:
             m.train()
-        out = self._update_mini(batch, list(range(B)), record=record)
-        stacked = torch.stack([record["lp"]] + ([record["sq"]] if record["sq"] is not None else []))
-        stacked = stacked.to(self.pgs.device)
-        if self.pgs.pp_size > 1:  # only the last stage computed them
-            dist.broadcast(stacked, src=dist.get_global_rank(self.pgs.pp, self.pgs.pp_size - 1), group=self.pgs.pp)
-        if self.pgs.dp_size > 1:  # disjoint rows: a sum is a gather
-            dist.all_reduce(stacked, group=self.pgs.dp)
-        stacked = stacked.cpu()
-        lp = LogProbs(stacked[0] * batch.response_mask, None, stacked[1] if record["sq"] is not None else None)
+        out = self._update_mini(batch, list(range(len(batch))), record=record)
+        stacked = self.policy.gather_tokens(record["plan"], record["buf"], batch.response_length,
+                                            batch.responses.shape[1])
+        lp = LogProbs(stacked[0] * batch.response_mask, None, stacked[1] if with_sum_sq else None)
         return {k: float(v) for k, v in out.items()}, lp
 
     def _begin_training_step(self) -> None:
@@ -449,15 +188,14 @@ class Actor:
             opt.optimizer.state.clear()
 
     def _update_mini(self, batch: PolicyBatch, mini: list[int], *, record: dict | None = None) -> dict[str, Tensor]:
+        """One optimizer step on the rows `mini` (record: see _loss_func; it receives "plan" and "buf")."""
         mask = batch.response_mask[mini]
         denom = {"tokens": mask.sum().to(self.pgs.device),
                  "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
-        lengths = [int(batch.prompt_length[r] + batch.response_length[r]) for r in mini]
-        local = [mini[i] for i in dp_shard_rows(lengths, self.pgs.dp_size, self.pgs.dp_rank,
-                                                 balance=self.balance_batch)]
-        mbs = make_microbatches(batch.prompt_ids, batch.prompt_length, batch.responses, batch.response_length,
-                                rows=local, max_tokens=self.cfg.max_tokens_per_microbatch, pad_id=self.policy.pad_id,
-                                seq_multiple=self.policy.seq_multiple)
+        plan = self.policy.plan(batch.prompt_ids, batch.prompt_length, batch.responses, batch.response_length, [mini])
+        if record is not None:
+            record["plan"] = plan
+            record["buf"] = torch.zeros(1 + record["sq"], plan.num_local_tokens, device=self.pgs.device)
         zero = lambda: torch.zeros((), device=self.pgs.device)  # noqa: E731
         totals = {k: zero() for k in ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
                                       "actor/pg_clipfrac_lower", "_tokens")}
@@ -466,13 +204,13 @@ class Actor:
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_func = partial(self._loss_func, batch, totals, denom, len(mbs), record)
+        loss_func = partial(self._loss_func, batch, totals, denom, plan.counts(), record, plan)
         replay = (lambda mb: self.policy.replay_targets(mb, batch.responses)) if self.policy.router_replay else None
         try:
-            self.policy.run(mbs, loss_func, forward_only=False, hidden=self.policy.fused, before_forward=replay)
+            self.policy.run(plan.microbatches, loss_func, forward_only=False, before_forward=replay)
         finally:
             if replay is not None:
-                self.policy._set_replay_action(None)
+                self.policy.clear_replay()
         ok, grad_norm, _ = self.optimizer.step()
         return self._reduce(totals, grad_norm, ok)
 
@@ -491,28 +229,3 @@ class Actor:
         out["actor/lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
         out["actor/update_skipped"] = torch.tensor(0.0 if ok else 1.0)
         return out
-
-
-def _reset_megatron_loss_scalers() -> None:
-    """Megatron keeps the MoE aux-loss and MTP loss scales in class attributes and copies new values
-    into them in place: a scale left by another model in the process (a different shape) breaks the
-    next schedule with "output with shape [] doesn't match the broadcast shape [1]"."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)  # its class default
-
-
-class _output_layer_bypassed:
-    """Within the block the output layer returns its input: GPTModel then returns the final hidden
-    states ([b, s, h] after its transpose) instead of logits, so the fused kernel never sees logits."""
-
-    def __init__(self, inner):
-        self.layer = inner.output_layer
-
-    def __enter__(self):
-        self.layer.forward = lambda input_, *args, **kwargs: (input_, None)
-
-    def __exit__(self, *exc):
-        del self.layer.forward  # back to the class's forward

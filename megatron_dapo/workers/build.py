@@ -105,17 +105,28 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
         optimizer, init_lr=0.0 if warmup else a.lr, max_lr=a.lr, min_lr=a.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=max(steps, warmup + 1), lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay,
         end_wd=a.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant")
-    fused = use_fused_kernels(cfg, pgs)
-    policy = PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
-                         max_tokens=a.max_tokens_per_microbatch, vocab_size=arch.vocab_size, fused=fused,
-                         router_replay=a.router_replay)
+    policy = _policy_model(cfg, chunks, pgs, pad_id=pad_id, vocab_size=arch.vocab_size,
+                           router_replay=a.router_replay)
     name = _loss_name(cfg)
-    loss_fn = _fused_vanilla_loss if fused and name == "vanilla" else get_policy_loss_fn(name)
+    loss_fn = _fused_vanilla_loss if use_fused_kernels(cfg, pgs) and name == "vanilla" else get_policy_loss_fn(name)
     return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a, loss_fn=loss_fn, n=cfg.rollout.n,
                  balance_batch=cfg.trainer.balance_batch, bypass_correction=_bypass_correction(cfg))
 
 
+def _policy_model(cfg: Config, chunks: list, pgs, *, pad_id: int, vocab_size: int, router_replay: bool) -> PolicyModel:
+    """The policy over `chunks`, laid out as the update lays out its mini-batches (so compute_log_prob
+    runs the update's own micro-batches), thd-packed where the layer spec is Transformer Engine's."""
+    from megatron_dapo.models.builder import default_backend
+
+    return PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
+                       max_tokens=cfg.actor.max_tokens_per_microbatch, vocab_size=vocab_size,
+                       minibatch_rows=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+                       balance_rows=cfg.trainer.balance_batch,
+                       packed_sequences=default_backend(pgs.device) == "te", router_replay=router_replay)
+
+
 def use_fused_kernels(cfg: Config, pgs) -> bool:
+    """The fused clipped-loss kernel (log-probs always come from kernels.fused_logprob_stats)."""
     flag = cfg.actor.use_fused_kernels
     return (pgs.device.type == "cuda") if flag is None else flag
 
@@ -156,5 +167,4 @@ def build_reference(cfg: Config, pgs, *, vocab_size: int, pad_id: int, actor: Ac
     for c in chunks:
         c.requires_grad_(False)
         c.eval()
-    return PolicyModel(chunks, pgs=pgs, pad_id=pad_id, temperature=cfg.rollout.temperature,
-                       max_tokens=cfg.actor.max_tokens_per_microbatch, vocab_size=arch.vocab_size)
+    return _policy_model(cfg, chunks, pgs, pad_id=pad_id, vocab_size=arch.vocab_size, router_replay=False)

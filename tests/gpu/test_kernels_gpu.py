@@ -83,5 +83,27 @@ def test_compiled_clipped_loss_large_batch_and_hand_computed_tokens(lib):
     want = t.loss_and_grad(lib.pl.compute_policy_loss_vanilla, *batch)
     got = t.loss_and_grad(lib.cl.fused_clipped_token_loss, *batch)  # auto: triton on CUDA
     t.assert_same(got, want)
-    t.test_hand_computed_tokens(torch.device("cuda"))
-    t.test_bf16_inputs_give_the_fp32_spec_rounded_to_bf16(torch.device("cuda"))
+    t.test_hand_computed_tokens(("triton", torch.device("cuda")))
+    t.test_bf16_inputs_give_the_fp32_spec_rounded_to_bf16(("triton", torch.device("cuda")))
+    t.test_exact_ties_at_the_clip_bounds_follow_torch(("triton", torch.device("cuda")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_logprob_stats_sum_sq_and_no_grad_equal_grad(dtype):
+    from megatron_dapo.kernels import fused_logprob_stats, fused_logprob_stats_reference
+    from tests.kernels import test_logprob_entropy as t
+    from tests.kernels.test_logprob_stats import test_no_grad_and_grad_logprobs_are_bitwise_equal
+
+    hidden, weight, labels, _, _ = t.make_inputs(1000, 512, 50257, dtype=dtype, device="cuda", seed=2)
+    want = fused_logprob_stats_reference(hidden, weight, labels, temperature=0.9, compute_sum_sq=True)
+    with torch.no_grad():
+        got = fused_logprob_stats(hidden, weight, labels, temperature=0.9, compute_sum_sq=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **t.FP32_TOL)  # forward: fp32 accumulation whatever the dtype
+
+    class _Request:  # the CPU test's fixture lookup, answered with the GPU
+        @staticmethod
+        def getfixturevalue(name):
+            return torch.device("cuda")
+
+    test_no_grad_and_grad_logprobs_are_bitwise_equal("triton", dtype, _Request())

@@ -3,6 +3,9 @@
 Shape legend: log_prob, old_log_prob, advantages, response_mask, rollout_is_weights [B, T];
 loss and metrics [].
 
+Both fused paths run every numerical test: "triton" (the kernels; Triton's interpreter on CPU)
+and "torch" (the chunked closed form, CPU).
+
 Tolerances (fp32): the kernel sums per response, then over responses; agg_loss sums all tokens at
 once. Only that order differs, so the loss gets rtol 1e-5 (atol 1e-6 for losses near 0) and the
 gradient, a per-token product of the same factors in another order, rtol 1e-5 / atol 1e-9.
@@ -13,7 +16,12 @@ import torch
 from torch.testing import assert_close
 
 from megatron_dapo.algos.policy_loss import AGG_MODES, compute_policy_loss_vanilla
-from megatron_dapo.kernels import METRIC_NAMES, fused_clipped_token_loss, fused_clipped_token_loss_reference
+from megatron_dapo.kernels import (
+    METRIC_NAMES,
+    clipped_loss,
+    fused_clipped_token_loss,
+    fused_clipped_token_loss_reference,
+)
 
 LOSS_TOL = dict(atol=1e-6, rtol=1e-5)
 GRAD_TOL = dict(atol=1e-9, rtol=1e-5)
@@ -57,6 +65,14 @@ def assert_same(got, want, *, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL):
     assert_close(got[2], want[2], **grad_tol)
 
 
+@pytest.fixture(params=["torch", "triton"])
+def path(request):
+    """(backend, device) of one fused path: the chunked torch path on CPU, or the triton kernels."""
+    if request.param == "triton":
+        return "triton", request.getfixturevalue("triton_device")
+    return "torch", torch.device("cpu")
+
+
 # (dp_size, batch_num_tokens, global_batch_size): local counts, and two ranks with global counts
 DP_CASES = [(1, None, None), (2, torch.tensor(2700.0), 9), (2, 2700, torch.tensor(9))]
 
@@ -64,42 +80,45 @@ DP_CASES = [(1, None, None), (2, torch.tensor(2700.0), 9), (2, 2700, torch.tenso
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("dp_size,batch_num_tokens,global_batch_size", DP_CASES)
 def test_value_metrics_and_grad_equal_compute_policy_loss_vanilla(
-    mode, dp_size, batch_num_tokens, global_batch_size, triton_device
+    mode, dp_size, batch_num_tokens, global_batch_size, path
 ):
-    batch = make_batch(6, 1500, device=triton_device)  # T > BLOCK_T: two tiles per response
+    backend, device = path
+    batch = make_batch(6, 1500, device=device)  # T > BLOCK_T: two tiles per response
     kwargs = dict(loss_agg_mode=mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                   global_batch_size=global_batch_size)
     want = loss_and_grad(compute_policy_loss_vanilla, *batch, **kwargs)
-    got = loss_and_grad(fused_clipped_token_loss, *batch, **kwargs, backend="triton")
+    got = loss_and_grad(fused_clipped_token_loss, *batch, **kwargs, backend=backend)
     assert_same(got, want)
 
 
 @pytest.mark.parametrize("clip", [dict(clip_ratio_low=0.1, clip_ratio_high=0.1, clip_ratio_c=1.5),
                                   dict(clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_c=10.0)])
 @pytest.mark.parametrize("b,t", [(1, 1), (3, 17), (4, 1024)])
-def test_clip_settings_and_odd_shapes_equal_the_spec(clip, b, t, triton_device):
-    batch = make_batch(b, t, device=triton_device, seed=b * t)
-    weights = torch.rand(b, t, generator=torch.Generator().manual_seed(7)).to(triton_device) * 2
+def test_clip_settings_and_odd_shapes_equal_the_spec(clip, b, t, path):
+    backend, device = path
+    batch = make_batch(b, t, device=device, seed=b * t)
+    weights = torch.rand(b, t, generator=torch.Generator().manual_seed(7)).to(device) * 2
     for extra in ({}, dict(rollout_is_weights=weights)):
         want = loss_and_grad(compute_policy_loss_vanilla, *batch, **clip, **extra)
-        got = loss_and_grad(fused_clipped_token_loss, *batch, **clip, **extra, backend="triton")
+        got = loss_and_grad(fused_clipped_token_loss, *batch, **clip, **extra, backend=backend)
         assert_same(got, want)
 
 
-def test_hand_computed_tokens(triton_device):
+def test_hand_computed_tokens(path):
     # One response, five tokens, clip 0.2 / 0.28 / c = 3, token-sum (no normalisation).
     #  A = +1, r = 1.5: l1 = -1.5, l2 = -1.28 -> loss -1.28 (clipped above), gradient 0
     #  A = -1, r = 5.0: l1 = 5, l2 = 1.28, max 5 -> dual clip min(5, 3) = 3, gradient 0
     #  A = -1, r = 2.0: l1 = 2 -> max 2 < 3 -> loss 2, d/d lp (-A r) = r = 2
     #  A = +2, r = 1.0: inside the band -> loss -2, gradient -A r = -2
     #  A = +1, log r = -25: clamped to -20, l1 = -exp(-20) > l2 = -0.8 -> gradient exactly 0
+    backend, device = path
     log_prob = torch.log(torch.tensor([[1.5, 5.0, 2.0, 1.0, 1.0]]))
     log_prob[0, 4] = -25.0
     adv = torch.tensor([[1.0, -1.0, -1.0, 2.0, 1.0]])
     old = torch.zeros(1, 5)
     mask = torch.ones(1, 5, dtype=torch.bool)
-    args = [x.to(triton_device) for x in (log_prob, old, adv, mask)]
-    loss, metrics, grad = loss_and_grad(fused_clipped_token_loss, *args, loss_agg_mode="token-sum", backend="triton")
+    args = [x.to(device) for x in (log_prob, old, adv, mask)]
+    loss, metrics, grad = loss_and_grad(fused_clipped_token_loss, *args, loss_agg_mode="token-sum", backend=backend)
     assert_close(loss.cpu(), torch.tensor(-1.28 + 3.0 + 2.0 - 2.0 - torch.exp(torch.tensor(-20.0)).item()), **LOSS_TOL)
     assert_close(grad.cpu(), torch.tensor([[0.0, 0.0, 2.0, -2.0, 0.0]]), **LOSS_TOL)
     assert grad[0, 4].item() == 0.0  # torch.clamp's gradient, not -A exp(-20)
@@ -108,57 +127,101 @@ def test_hand_computed_tokens(triton_device):
     assert_close(metrics["actor/ppo_kl"].cpu(), -log_prob.clamp(min=-20).mean(), **LOSS_TOL)
 
 
-def test_token_mean_with_global_count_is_invariant_to_the_micro_batch_split(triton_device):
-    log_prob, old, adv, mask = make_batch(6, 300, device=triton_device)
+def test_token_mean_with_global_count_is_invariant_to_the_micro_batch_split(path):
+    backend, device = path
+    log_prob, old, adv, mask = make_batch(6, 300, device=device)
     count = mask.sum()
     full = loss_and_grad(fused_clipped_token_loss, log_prob, old, adv, mask, batch_num_tokens=count,
-                         backend="triton")
+                         backend=backend)
     parts = [loss_and_grad(fused_clipped_token_loss, log_prob[s], old[s], adv[s], mask[s],
-                           batch_num_tokens=count, backend="triton") for s in (slice(0, 2), slice(2, 6))]
+                           batch_num_tokens=count, backend=backend) for s in (slice(0, 2), slice(2, 6))]
     assert_close(parts[0][0] + parts[1][0], full[0], **LOSS_TOL)
     assert_close(torch.cat([parts[0][2], parts[1][2]]), full[2], **GRAD_TOL)
 
 
-def test_all_masked_batch_gives_zero_loss_metrics_and_grad(triton_device):
-    log_prob, old, adv, mask = make_batch(3, 40, device=triton_device)
+def test_all_masked_batch_gives_zero_loss_metrics_and_grad(path):
+    backend, device = path
+    log_prob, old, adv, mask = make_batch(3, 40, device=device)
     for mode in AGG_MODES:
         got = loss_and_grad(fused_clipped_token_loss, log_prob, old, adv, torch.zeros_like(mask),
-                            loss_agg_mode=mode, backend="triton")
+                            loss_agg_mode=mode, backend=backend)
         assert got[0].item() == 0.0 and all(v.item() == 0.0 for v in got[1].values())
         assert torch.count_nonzero(got[2]) == 0
 
 
-def test_float_mask_equals_bool_mask_and_padding_garbage_is_ignored(triton_device):
-    log_prob, old, adv, mask = make_batch(4, 50, device=triton_device)
-    want = loss_and_grad(fused_clipped_token_loss, log_prob, old, adv, mask, backend="triton")
+def test_float_mask_equals_bool_mask_and_padding_garbage_is_ignored(path):
+    backend, device = path
+    log_prob, old, adv, mask = make_batch(4, 50, device=device)
+    want = loss_and_grad(fused_clipped_token_loss, log_prob, old, adv, mask, backend=backend)
     dirty = log_prob.masked_fill(~mask, float("inf"))  # the reference would give nan here
-    got = loss_and_grad(fused_clipped_token_loss, dirty, old, adv, mask.float(), backend="triton")
+    got = loss_and_grad(fused_clipped_token_loss, dirty, old, adv, mask.float(), backend=backend)
     assert_same(got, want)
 
 
-def test_bf16_inputs_give_the_fp32_spec_rounded_to_bf16(triton_device):
+def test_bf16_inputs_give_the_fp32_spec_rounded_to_bf16(path):
     # The kernel reads bf16 and computes in fp32; the spec run in bf16 would round every
     # intermediate (ratio, l1, l2) to bf16 and so flip the clip branch of tokens near 1 +- eps.
     # The right comparison is the spec in fp32 on the same bf16 values: then only the final
     # rounding of the loss and of each gradient entry to bf16 differs: 2^-8 relative when
     # compiled (round to nearest even), 2^-7 in Triton's interpreter (it truncates fp32 -> bf16).
-    batch = make_batch(4, 300, device=triton_device)
+    backend, device = path
+    batch = make_batch(4, 300, device=device)
     batch = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in batch]
     want = loss_and_grad(compute_policy_loss_vanilla, *[x.float() if x.is_floating_point() else x for x in batch])
-    got = loss_and_grad(fused_clipped_token_loss, *batch, backend="triton")
+    got = loss_and_grad(fused_clipped_token_loss, *batch, backend=backend)
     assert got[0].dtype == got[2].dtype == torch.bfloat16
     bf16_rounding = dict(atol=1e-9, rtol=2**-7)
     assert_close(got[0].float(), want[0], **bf16_rounding)
     assert_close(got[2].float(), want[2], **bf16_rounding)
 
 
-def test_torch_backend_and_reference_are_the_spec():
+EXACT = dict(atol=0.0, rtol=0.0)
+
+
+def test_reference_is_the_spec_and_auto_on_cpu_is_the_torch_path():
     batch = make_batch(3, 20)
     want = loss_and_grad(compute_policy_loss_vanilla, *batch, loss_agg_mode="seq-mean-token-mean")
-    for fn, extra in ((fused_clipped_token_loss, dict(backend="torch")), (fused_clipped_token_loss, {}),
-                      (fused_clipped_token_loss_reference, {})):
-        got = loss_and_grad(fn, *batch, loss_agg_mode="seq-mean-token-mean", **extra)
-        assert_same(got, want, loss_tol=dict(atol=0.0, rtol=0.0), grad_tol=dict(atol=0.0, rtol=0.0))
+    got = loss_and_grad(fused_clipped_token_loss_reference, *batch, loss_agg_mode="seq-mean-token-mean")
+    assert_same(got, want, loss_tol=EXACT, grad_tol=EXACT)
+    auto = loss_and_grad(fused_clipped_token_loss, *batch, loss_agg_mode="seq-mean-token-mean")
+    torch_path = loss_and_grad(fused_clipped_token_loss, *batch, loss_agg_mode="seq-mean-token-mean",
+                               backend="torch")
+    assert_same(auto, torch_path, loss_tol=EXACT, grad_tol=EXACT)
+
+
+@pytest.mark.parametrize("chunk_elems,b,t", [(64, 9, 20), (100, 7, 33), (1, 5, 3), (4096, 40, 97)])
+def test_torch_path_chunking_changes_nothing_but_summation_order(chunk_elems, b, t, monkeypatch):
+    # chunks of 3, 3, 1 rows / one row per chunk / rows ragged against the chunk: the per-row
+    # statistics and every gradient row must not depend on which chunk a row fell into
+    monkeypatch.setattr(clipped_loss, "_TORCH_CHUNK_ELEMS", chunk_elems)
+    batch = make_batch(b, t, seed=b + t)
+    weights = torch.rand(b, t, generator=torch.Generator().manual_seed(3)) * 2
+    for mode in AGG_MODES:
+        want = loss_and_grad(compute_policy_loss_vanilla, *batch, loss_agg_mode=mode, rollout_is_weights=weights)
+        got = loss_and_grad(fused_clipped_token_loss, *batch, loss_agg_mode=mode, rollout_is_weights=weights,
+                            backend="torch")
+        assert_same(got, want)
+
+
+def test_exact_ties_at_the_clip_bounds_follow_torch(path):
+    # r exactly 1 - low, 1, 1 + high for A of both signs (clamp passes the gradient on its closed
+    # interval; the max of two equal terms splits it into two equal halves), and r exactly 1 + high
+    # for A < 0 (inside the dual-clip band). The values are powers of two so that r = exp(log r)
+    # is exact in fp32: low = 0.25, high = 0.25, c = 2.
+    backend, device = path
+    ratios = torch.tensor([0.75, 1.0, 1.25, 0.5, 2.0, 4.0])
+    log_prob = torch.log(ratios).repeat(2)[None, :]
+    adv = torch.tensor([1.0] * 6 + [-1.0] * 6)[None, :]
+    assert torch.equal(torch.exp(log_prob), ratios.repeat(2)[None, :])
+    old, mask = torch.zeros_like(log_prob), torch.ones_like(log_prob, dtype=torch.bool)
+    clip = dict(clip_ratio_low=0.25, clip_ratio_high=0.25, clip_ratio_c=2.5, loss_agg_mode="token-sum")
+    args = [x.to(device) for x in (log_prob, old, adv, mask)]
+    want = loss_and_grad(compute_policy_loss_vanilla, *args, **clip)
+    got = loss_and_grad(fused_clipped_token_loss, *args, **clip, backend=backend)
+    assert_same(got, want)
+    # A = +1: -r below 1 + high, 0 above it; A = -1: 0 below 1 - low, r up to c, 0 above c
+    assert_close(got[2].cpu(), torch.tensor([[-0.75, -1.0, -1.25, -0.5, 0.0, 0.0,
+                                              0.0 + 0.75, 1.0, 1.25, 0.0, 2.0, 0.0]]))
 
 
 @pytest.mark.parametrize(
@@ -175,11 +238,12 @@ def test_torch_backend_and_reference_are_the_spec():
         (dict(old_log_prob=torch.zeros(2, 3, requires_grad=True)), "old_log_prob requires grad"),
     ],
 )
-def test_bad_arguments_raise_naming_the_problem(change, match, triton_device):
+def test_bad_arguments_raise_naming_the_problem(change, match, path):
+    backend, device = path
     args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.ones(2, 3),
                 response_mask=torch.ones(2, 3))
     args.update(change)
-    args = {k: v.to(triton_device) if torch.is_tensor(v) else v for k, v in args.items()}
+    args = {k: v.to(device) if torch.is_tensor(v) else v for k, v in args.items()}
     with pytest.raises(ValueError, match=match):
         fused_clipped_token_loss(args.pop("log_prob"), args.pop("old_log_prob"), args.pop("advantages"),
-                                 args.pop("response_mask"), backend=args.pop("backend", "triton"), **args)
+                                 args.pop("response_mask"), backend=args.pop("backend", backend), **args)

@@ -32,7 +32,7 @@ for arch, dtype, ptr in ((90, torch.bfloat16, "*bf16"), (80, torch.bfloat16, "*b
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
     types = dict(ints, **floats, h_ptr=ptr, w_ptr=ptr, dz_ptr=ptr, labels_ptr="*i64", stats_ptr="*fp32",
                  lse_ptr="*fp32", ez_ptr="*fp32", g_lp_ptr="*fp32", g_ent_ptr="*fp32")
-    compile_for(le._lse_entropy_fwd_kernel, types, cfg, arch, **options)
+    compile_for(le._lse_entropy_fwd_kernel, types, dict(cfg, COMPUTE_SUM_SQ=True), arch, **options)
     compile_for(le._logits_grad_kernel, types, dict(cfg, HAS_GRAD_ENT=True), arch, **options)
 for arch, ptr, mask in ((90, "*bf16", "*u8"), (80, "*fp32", "*fp32")):
     types = dict(ints, **floats, lp_ptr=ptr, old_ptr=ptr, adv_ptr=ptr, isw_ptr=ptr, grad_ptr=ptr, mask_ptr=mask,

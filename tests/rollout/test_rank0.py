@@ -55,3 +55,38 @@ def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_r
     want = ["".join(chr(97 + t % 26) for t in b0["responses"][r, : int(b0["response_length"][r])].tolist())
             for r in range(len(b0["index"]))]
     assert s0["texts"] == want and any(want) and not any(s1["texts"])
+
+
+def test_a_row_generated_with_other_weights_is_a_named_error():
+    """stages.generate checks every row's policy version (the server-reported weight_version) against the
+    last sync: a server that missed a sync is named by its row and group, not trained on."""
+    from megatron_dapo.data.dataset import PromptRecord
+    from megatron_dapo.rollout.base import RolloutEngine, SamplingParams
+    from megatron_dapo.trainer.stages import PolicyVersionError, generate
+
+    class Stale(RolloutEngine):
+        def generate(self, prompts, sampling):
+            return [Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
+                           response_token_ids=(3,), rollout_log_probs=(-0.1,), finish_reason="stop",
+                           policy_version=4 if (i, j) != (1, 0) else 3)
+                    for i, p in enumerate(prompts) for j in range(sampling.n)]
+
+        def update_weights(self, named_tensors=None, *, policy_version, **kw): ...
+        def abort(self): ...
+        def release_memory(self): ...
+        def resume_memory(self): ...
+        def health(self): return {"healthy": True, "policy_version": 4}
+
+        @property
+        def policy_version(self):
+            return 4
+
+    records = [PromptRecord(uid=f"u{i}", prompt_ids=[5, 6], raw_prompt="q", ground_truth="g", data_source="t")
+               for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=4, n=2)
+    ok = generate(Stale(), records[:1], sampling, group_suffix="1.0", pad_id=0, max_response_length=4,
+                  expect_policy_version=4)
+    assert ok.policy_version.tolist() == [4, 4]
+    with pytest.raises(PolicyVersionError, match=r"row 2 \(group 'u1@1.0'\).*version 3, expected 4"):
+        generate(Stale(), records, sampling, group_suffix="1.0", pad_id=0, max_response_length=4,
+                 expect_policy_version=4)

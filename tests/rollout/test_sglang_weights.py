@@ -153,3 +153,45 @@ def test_a_server_rejecting_an_update_raises_naming_it(tmp_path, file_system_sha
         with eng.weight_update_session():  # the caller's session: now it lands
             eng.update_weights(_named()[:1], policy_version=1, bucket_mb=1)
         assert eng.policy_version == 1 and s.checksums() == [expected_checksums(_named()[:1])]
+
+
+def test_servers_that_answer_but_never_join_fail_the_group_fast(tmp_path, monkeypatch):
+    """A server answering /init_weights_update_group with 200 without joining (another address, port or
+    group) fails the set-up after JOIN_AFTER_REPLY_S with the group and address named, not after the
+    600 s timeout. The server is its own process (a plain HTTP responder)."""
+    import subprocess
+    import sys
+    import time
+
+    from megatron_dapo.rollout import sglang_sync
+    from tests.standin import free_port
+
+    port = free_port()
+    script = ("import http.server as h\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_POST(self):\n"
+              "        self.rfile.read(int(self.headers['Content-Length'] or 0))\n"
+              "        self.send_response(200); self.send_header('Content-Length', '2'); self.end_headers()\n"
+              "        self.wfile.write(b'{}')\n"
+              "    def log_message(self, *a): pass\n"
+              f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        import socket
+
+        deadline = time.monotonic() + 120
+        while True:  # until the responder listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the responder did not start"
+                time.sleep(0.1)
+        monkeypatch.setattr(sglang_sync, "JOIN_AFTER_REPLY_S", 1.0)
+        servers = sglang_sync.ServerSet(urls=(f"http://127.0.0.1:{port}",), tp_sizes=(1,))
+        start = time.monotonic()
+        with pytest.raises(sglang_sync.WeightSyncError, match="replied to /init_weights_update_group but they did not join"):
+            sglang_sync._open_group(servers, host="127.0.0.1", group_name="g_never", backend="gloo", timeout_s=600)
+        assert time.monotonic() - start < 300  # far below the 600 s timeout (no tighter bound: slow CI machines)
+    finally:
+        proc.kill()

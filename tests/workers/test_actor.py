@@ -145,8 +145,11 @@ def test_entropy_coeff_and_kl_loss_change_the_update(pgs):
 
 @pytest.mark.multiproc
 def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
-    """One DAPO update on 2 gloo ranks (DP=2) gives the DP=1 weights; TP=2 log-probs equal TP=1; the
-    trainer's own PP=2 build starts and its log-probs, loss and grad norm equal PP=1's."""
+    """One DAPO update on 2 gloo ranks (DP=2, per-rank plans of unequal micro-batch counts, run at equal
+    counts) gives the DP=1 weights, and compute_log_prob all-gathers only the statistics asked for, at
+    real tokens; TP=2 log-probs equal TP=1; the trainer's own PP=2 build, and PP=2 x VPP=2 with an odd
+    micro-batch count (Megatron's interleaved schedule refused it before rounding), give PP=1's
+    log-probs, loss and grad norm."""
     from megatron_dapo.models.forward import unwrap_model
     from megatron_dapo.models.weights import gather_canonical_state
 
@@ -172,10 +175,25 @@ def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
     torch.testing.assert_close(dp2["params"], ref["params"], atol=1e-4, rtol=0)
     m = raw["response_mask"]
     torch.testing.assert_close(tp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
-    pp2 = torch.load(tmp_path / "pp2.pt", weights_only=True)
-    torch.testing.assert_close(pp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
-    assert float(pp2["pg_loss"]) == pytest.approx(ref_m["actor/pg_loss"], rel=1e-5, abs=1e-7)
-    assert float(pp2["grad_norm"]) == pytest.approx(ref_m["actor/grad_norm"], rel=1e-5)
+    # per mini-batch (planned, agreed) on each rank: DP2_BUDGET makes the ranks plan 3 | 4 and 4 | 2
+    assert dp2["counts"] == [[([3], [4]), ([4], [4])], [([4], [4]), ([2], [4])]]
+    # [K, largest shard's real tokens] per all-gather: K = 1 (log-probs) unless entropy / sum p^2 are asked
+    shard_tokens = max(int(raw["response_length"][rows].sum()) for rows in (dp2_shards(raw)))
+    assert dp2["gathers"] == [(1, shard_tokens), (3, shard_tokens)]
+    assert shard_tokens < raw["responses"].numel() // 2
+    for name in ("pp2", "vpp2"):
+        pp2 = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        torch.testing.assert_close(pp2["log_probs"] * m, ref["log_probs"] * m, atol=1e-5, rtol=0)
+        assert float(pp2["pg_loss"]) == pytest.approx(ref_m["actor/pg_loss"], rel=1e-5, abs=1e-7), name
+        assert float(pp2["grad_norm"]) == pytest.approx(ref_m["actor/grad_norm"], rel=1e-5), name
+    vpp = torch.load(tmp_path / "vpp2.pt", weights_only=True)["counts"]
+    # compute_log_prob (both mini-batches), policy_batch's, then the 2 updates: 3 each, run as 4
+    assert vpp == [([3, 3], [4, 4]), ([3, 3], [4, 4]), ([3], [4]), ([3], [4])]
+
+
+def dp2_shards(raw):
+    """The DP=2 rows of compute_log_prob: mini-batches of 8 rows, contiguous halves (balance off)."""
+    return [list(range(s, s + 4)) + list(range(s + 8, s + 12)) for s in (0, 4)]
 
 
 def test_moe_routed_counts_cover_every_response_token_topk_times(pgs):
@@ -231,14 +249,14 @@ def test_reference_is_a_frozen_copy_of_the_actor_at_build_time(pgs):
     assert not torch.allclose(ref.compute_log_prob(*args).log_probs * m, a.compute_log_prob(*args).log_probs * m)
 
 
-def test_fused_kernels_give_the_same_update_as_the_logits_path(pgs):
-    """actor.use_fused_kernels=true (on CPU: the chunked torch paths of megatron_dapo.kernels) computes the
-    same loss and gradients as the materialised-logits path."""
+def test_fused_clipped_loss_kernel_gives_the_same_update_as_the_torch_loss(pgs):
+    """actor.use_fused_kernels=true swaps the torch clipped loss for kernels.fused_clipped_token_loss (on CPU
+    its chunked torch path): the same loss, metrics and gradients (log-probs come from one path either way)."""
     raw = random_batch(seed=7)
     results = []
     for fused in ("false", "true"):
         a = make_actor(pgs, **{"actor.use_fused_kernels": fused, "actor.entropy_coeff": 0.01})
-        assert a.policy.fused == (fused == "true")
+        assert (a.loss_fn.__name__ == "_fused_vanilla_loss") == (fused == "true")
         grads = capture_grads(a)
         m = a.update_policy(policy_batch(a, raw, perturb_old=0.05))
         results.append((grads, m))
@@ -303,22 +321,22 @@ def test_router_replay_trains_with_the_recorded_expert_choices(pgs):
                 h.remove()
         return a, seen
 
-    a, seen = routed_sets(True)
-    mb_rows = sorted(a.policy._routing["rows"])
-    assert mb_rows == list(range(16))
-    # one micro-batch holds the whole mini-batch here; compare each router's map with the recorded top-k
-    from megatron_dapo.workers.microbatch import make_microbatches
+    from megatron_dapo.workers.routing import seq_first
 
-    (mb,) = make_microbatches(raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"],
-                              max_tokens=4096, pad_id=PAD)
-    b, S = mb.input_ids.shape
+    a, seen = routed_sets(True)
+    record = a.policy._routing["rows"]
+    assert sorted(record) == list(range(16))
+    assert all(rec.dtype == torch.uint8 and rec.shape[0] == len(a.policy._routers()) for rec in record.values())
+    # one micro-batch holds the whole mini-batch here; compare each router's map with the recorded top-k
+    (mb,) = a.policy.plan(raw["prompt_ids"], raw["prompt_length"], raw["responses"], raw["response_length"],
+                          [list(range(16))]).microbatches
     for layer, routing_map in enumerate(seen[: len(a.policy._routers())]):
-        chosen = routing_map.reshape(S, b, -1)
         for k, row in enumerate(mb.rows.tolist()):
-            rec = a.policy._routing["rows"][row][layer]
+            rec = record[row][layer].long()
+            chosen = routing_map[seq_first(mb, mb.seq_start[k] + torch.arange(rec.shape[0]))]
             expected = torch.zeros(rec.shape[0], chosen.shape[-1], dtype=torch.bool)
             expected.scatter_(1, rec, True)
-            assert torch.equal(chosen[: rec.shape[0], k], expected), (layer, row)
+            assert torch.equal(chosen, expected), (layer, row)
     _, fresh = routed_sets(False)
     assert any(not torch.equal(x, y) for x, y in zip(seen, fresh))
 
