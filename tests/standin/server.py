@@ -348,12 +348,39 @@ def _load(st: State) -> None:
 
             torch.set_num_threads(1)  # several stand-ins and trainer ranks share two cores in the tests
             st.model = HFModel(a.model_path, dtype=a.dtype, context_length=a.context_length)
+            if a.speculative_algorithm:
+                st.draft = _load_drafter(st)
         st.role_weights = {role: [{} for _ in range(a.tp_size)] for role in st.roles}
     except Exception as e:  # noqa: BLE001 - a failed start is a dead server, as for SGLang
         st.crash("load", e)
     st.ready.set()
     print(f"The server is fired up and ready to roll! (stand-in for SGLang {st.proto.version}, "
           f"{'toy' if a.toy else a.model_path}, tp_size={a.tp_size})", flush=True)
+
+
+def _load_drafter(st: State):
+    """The MTP drafter SGLang's draft worker builds for this model (draft.py), with the `mtp.*` tensors
+    of --speculative-draft-model-path loaded (a checkpoint without them leaves the initial weights, as
+    SGLang leaves whatever the parameters held)."""
+    from tests.standin.draft import MTP_DRAFTERS, drafter_for
+
+    a, config = st.args, st.model.model.config
+    if not a.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm without --speculative-draft-model-path: SGLang defaults the "
+                         "draft path to --model-path only for DeepSeek-style architectures, not for "
+                         f"{config.architectures}")
+    draft = drafter_for(config, st.proto.version)
+    if draft is None:
+        raise ValueError(f"SGLang {st.proto.version} has no MTP drafter for {config.architectures} (the stand-in "
+                         f"emulates {sorted(MTP_DRAFTERS.items())}: model type and first release)")
+    from safetensors import safe_open
+
+    for f in sorted(Path(a.speculative_draft_model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            named = {k: handle.get_tensor(k) for k in handle.keys() if draft.accepts(k)}
+        if draft.check(named) is None:
+            draft.load(named)
+    return draft
 
 
 def main(argv=None) -> None:
