@@ -55,7 +55,7 @@ from megatron_dapo.models.weights import (
 
 __all__ = ["arch_from_hf", "arch_from_hf_config", "hf_config_from_arch", "read_hf_config",
            "canonical_param_names", "hf_sources", "to_mcore", "to_hf", "load_hf_as_mcore",
-           "load_hf_weights_into", "iter_hf_tensors", "iter_stage_hf_groups", "mtp_hf_names",
+           "load_hf_weights_into", "iter_hf_tensors", "iter_stage_hf_groups", "mtp_hf_names", "hf_model_type",
            "save_mcore_as_hf", "SUPPORTED_MODEL_TYPES", "MTP_HF_LAYERS"]
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def arch_from_hf_config(config: dict, *, name: str | None = None) -> ModelArch:
     return ModelArch(**kwargs)
 
 
-def _hf_model_type(arch: ModelArch) -> str:
+def hf_model_type(arch: ModelArch) -> str:
+    """The HF model type (qwen2, qwen3, qwen3_moe) `arch` maps to; ValueError when none does."""
     if arch.add_bias_linear or arch.normalization != "RMSNorm" or not arch.swiglu or arch.moe_shared_expert_intermediate_size:
         raise ValueError(f"{arch.name}: only bias-free RMSNorm SwiGLU models without shared experts "
                          "map to Qwen checkpoints")
@@ -146,7 +147,7 @@ def _hf_model_type(arch: ModelArch) -> str:
 def hf_config_from_arch(arch: ModelArch, *, base: dict | None = None, dtype: torch.dtype | None = None) -> dict:
     """A config.json dict for `arch`; keys of `base` (e.g. token ids) are kept unless the
     architecture defines them."""
-    model_type = _hf_model_type(arch)
+    model_type = hf_model_type(arch)
     config = dict(base or {})
     for stale in ("rope_parameters", "rope_scaling", "num_local_experts", "_name_or_path"):
         config.pop(stale, None)
