@@ -30,10 +30,19 @@ What it does as SGLang does (the release's source is the reference; see protocol
   receiver ranks (weights.py); from 0.5.21 distributed and tensor updates outside a
   /begin_weight_update ... /end_weight_update session are refused with 400, as SGLang does, and
   `selector` picks the runners (target, draft: the draft runner exists with --speculative-algorithm);
+  before 0.5.21 a distributed update reaches the target only, a tensor update the drafter and the
+  target (weight_routes.py);
+- with --speculative-algorithm on an HF Qwen3-MoE model (0.5.13+) the draft runner is SGLang's MTP
+  drafter (draft.py: Qwen3MoeForCausalLMMTP, its `mtp.*` names and shapes, loaded from
+  --speculative-draft-model-path, which SGLang requires for this architecture); a toy server's draft
+  runner keeps whatever it is sent; --forward-delay-s / --draft-delay-s emulate decoding speed with
+  and without speculation (generate.py);
 - a payload the server's unpickler cannot open kills the server ("Scheduler hit an exception" in
   its log, the HTTP connection drops), as SGLang's scheduler does.
 
 Stand-in stricter than SGLang (each catches a wrong order that real hardware would punish later):
+--speculative-algorithm on an HF model SGLang has no MTP drafter for (it would load a second full model
+as the drafter) exits at load; an unknown `mtp.*` name sent to the drafter is a 400 (SGLang skips it);
 generation is refused with 400 naming the cause while weights / KV cache / CUDA graphs are released,
 or while weights resumed without CPU backup have not all been updated; an unknown or mis-shaped
 tensor name is a 400 naming it; an unknown memory tag is a 400.
