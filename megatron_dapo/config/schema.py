@@ -275,17 +275,26 @@ class ValKwargs:
 @dataclass
 class SpeculativeConfig:
     algorithm: Literal["EAGLE", "NEXTN"] | None = None
-    """SGLang speculative decoding with the model's MTP layers; None = off."""
+    """SGLang speculative decoding with the model's MTP layer as the drafter (needs model.mtp_num_layers=1 and a model SGLang has an MTP drafter for: Qwen3-MoE, SGLang >= 0.5.13); every weight sync sends the MTP layer under the drafter's names (weight_transport=distributed needs SGLang >= 0.5.21). None = off."""
     num_steps: int = 3
     """Draft steps per verification (--speculative-num-steps)."""
     eagle_topk: int = 1
     """Draft branching (--speculative-eagle-topk)."""
     num_draft_tokens: int = 4
     """Draft tokens per verification (--speculative-num-draft-tokens)."""
+    auto: bool = False
+    """Measure rollout tokens/s with speculation (auto_steps steps from auto_start_step), then without (the servers this trainer launched are relaunched without it), and keep the faster (relaunching with speculation if it wins); logs both under spec_decode/auto/. SGLang cannot switch speculation on a running server; costs one relaunch (two when speculation wins)."""
+    auto_steps: int = 1
+    """Steps measured in each mode by auto."""
+    auto_start_step: int = 1
+    """First step auto measures; before it the servers run with speculation (set it past the first steps when the drafter starts fresh: a checkpoint without MTP weights)."""
 
     def __post_init__(self):
-        for name in ("num_steps", "eagle_topk", "num_draft_tokens"):
+        for name in ("num_steps", "eagle_topk", "num_draft_tokens", "auto_steps", "auto_start_step"):
             _check(getattr(self, name) >= 1, f"rollout.speculative.{name}", ">= 1", getattr(self, name))
+        if self.auto and self.algorithm is None:
+            raise ConfigError("rollout.speculative.auto", "needs rollout.speculative.algorithm (EAGLE or NEXTN): "
+                              "it compares rollout with and without that speculation")
 
 
 @dataclass
@@ -349,6 +358,9 @@ class RolloutConfig:
         _check(self.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", "> 0", self.weight_sync_timeout_s)
         _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
+        if self.speculative.auto and (self.engine != "sglang" or self.sglang_urls):
+            raise ConfigError("rollout.speculative.auto", "relaunches the SGLang servers this trainer launches: needs "
+                              "rollout.engine=sglang and no rollout.sglang_urls")
 
 
 @dataclass

@@ -11,11 +11,15 @@ Every verification round emits the accepted drafts plus one token of the target 
 so per request
 
     accept_rate   = accepted / drafts           (0.0 when drafts == 0)
-    accept_length = 1 + accepted / verify_ct    (0.0 when verify_ct == 0)
+    accept_length = 1 + accepted / verify_ct
 
 accept_length is the number of tokens produced per target forward (SGLang's own
 `completion_tokens / spec_verify_ct` for a request decoded entirely under speculation). Both are
-averaged over requests with equal weight, so a long response does not outweigh a short one.
+averaged over the requests that had a verify step, with equal weight, so a long response does not
+outweigh a short one. A request without a verify step (a response of one token, which the prefill
+produced) has neither: SGLang 0.5.8+ then sends no counters at all (before, zeros), and either way
+it is counted in `spec_decode/num_unverified`, not in the means (a step with one such response
+among thousands is still measured; counting it as 0 would pull accept_length below 1).
 """
 
 from __future__ import annotations
@@ -33,16 +37,18 @@ _KEYS = (SPEC_DRAFT_KEY, SPEC_ACCEPT_KEY, SPEC_VERIFY_KEY)
 
 
 def compute_spec_decode_metrics(meta: Sequence[Mapping[str, object]]) -> dict[str, float]:
-    """`spec_decode/accept_rate`, `spec_decode/accept_length` (means) and `spec_decode/num_requests`.
+    """`spec_decode/accept_rate`, `spec_decode/accept_length` (means over the requests with a verify
+    step), `spec_decode/num_requests` (those requests) and `spec_decode/num_unverified` (the others).
 
-    A quantity counts as available only when every request carries its key with a value (a
-    key set to None counts as absent). Then:
+    A key set to None counts as absent. Then:
 
-    - `meta` empty, or none of the three quantities available (speculation off, or the engine
+    - `meta` empty, or no request carries any of the three keys (speculation off, or the engine
       reported nothing): returns {} and nothing is published.
-    - all three available: the metrics above.
-    - only some available: AssertionError naming the complete and the incomplete keys (a
-      half-reported batch is an engine/config mismatch that should not go unnoticed).
+    - a request with all three keys is measured (unverified when verify_ct is 0); one with none
+      of them, while others have them, is unverified (SGLang 0.5.8+ omits the counters then).
+    - a request with only some of the keys: AssertionError naming the missing keys and requests
+      (a half-reported request is an engine/config mismatch that should not go unnoticed).
+    - no request had a verify step: only the two counts are published.
 
     Values must be finite numbers >= 0; anything else is a ValueError naming the request and key.
     """
@@ -51,34 +57,38 @@ def compute_spec_decode_metrics(meta: Sequence[Mapping[str, object]]) -> dict[st
     for i, row in enumerate(meta):
         if not isinstance(row, Mapping):
             raise ValueError(f"meta[{i}]: expected a dict of meta_info, got {type(row).__name__}")
-    missing = {key: [i for i, row in enumerate(meta) if row.get(key) is None] for key in _KEYS}
-    complete = [key for key in _KEYS if not missing[key]]
-    if not complete:
+    present = [[key for key in _KEYS if row.get(key) is not None] for row in meta]
+    if not any(present):
         return {}
-    if len(complete) < len(_KEYS):
+    partial = [i for i, keys in enumerate(present) if 0 < len(keys) < len(_KEYS)]
+    if partial:
         details = ", ".join(
             f"{key} missing in {len(rows)} of {len(meta)} requests (first: meta[{rows[0]}])"
-            for key, rows in missing.items()
-            if rows
+            for key in _KEYS
+            if (rows := [i for i in partial if key not in present[i]])
         )
+        complete = [key for key in _KEYS if all(key in present[i] for i in partial)]
         # Raised explicitly (not `assert`) so that `python -O` keeps the check.
         raise AssertionError(
-            f"speculative-decoding meta is partial: {', '.join(complete)} present in every request but "
-            f"{details}; all of {', '.join(_KEYS)} are needed"
+            f"speculative-decoding meta is partial: {details}"
+            + (f" ({', '.join(complete)} present)" if complete else "")
+            + f"; all of {', '.join(_KEYS)} are needed"
         )
 
     rates: list[float] = []
     lengths: list[float] = []
     for i, row in enumerate(meta):
+        if not present[i]:
+            continue
         drafts, accepted, verifies = (_count(i, key, row[key]) for key in _KEYS)
-        rates.append(accepted / drafts if drafts > 0 else 0.0)
-        lengths.append(1.0 + accepted / verifies if verifies > 0 else 0.0)
-    n = len(meta)
-    return {
-        "spec_decode/accept_rate": sum(rates) / n,
-        "spec_decode/accept_length": sum(lengths) / n,
-        "spec_decode/num_requests": float(n),
-    }
+        if verifies > 0:
+            rates.append(accepted / drafts if drafts > 0 else 0.0)
+            lengths.append(1.0 + accepted / verifies)
+    out = {"spec_decode/num_requests": float(len(rates)), "spec_decode/num_unverified": float(len(meta) - len(rates))}
+    if rates:
+        out["spec_decode/accept_rate"] = sum(rates) / len(rates)
+        out["spec_decode/accept_length"] = sum(lengths) / len(lengths)
+    return out
 
 
 def _count(row: int, key: str, value: object) -> float:

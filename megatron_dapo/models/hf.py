@@ -17,11 +17,27 @@ Layers of the mapping (all pure, tensor-by-tensor, on the safetensors checkpoint
 HF checkpoints are read with safetensors only. Experts are written in the per-expert layout
 of the released Qwen3-MoE checkpoints (`mlp.experts.{e}.gate_proj.weight`, ...), which is also
 what transformers 5 writes on save_pretrained.
+
+MTP layers (`mtp.layers.0.*`, on the last pipeline stage) take the names SGLang's MTP drafter for
+Qwen3-MoE loads (`Qwen3MoeForCausalLMMTP`, sglang/srt/models/qwen3_moe_mtp.py, 0.5.13+; its
+`load_weights` is Qwen3MoeForCausalLM's with is_mtp=True: it keeps only names containing "mtp",
+strips `mtp.` from the three below and renames `mtp.` to `model.` elsewhere), the Qwen3-Next
+checkpoint layout:
+
+    mtp.layers.0.enorm.weight            mtp.pre_fc_norm_embedding.weight   (norm of the next token's embedding)
+    mtp.layers.0.hnorm.weight            mtp.pre_fc_norm_hidden.weight      (norm of the trunk's hidden state)
+    mtp.layers.0.eh_proj.weight [h, 2h]  mtp.fc.weight                      (on cat(embedding, hidden), in that order)
+    mtp.layers.0.transformer_layer.X     mtp.layers.0.<X's HF name>         (one decoder layer)
+    mtp.layers.0.final_layernorm.weight  mtp.norm.weight
+
+The drafter shares the target's embedding and LM head (SGLang's set_embed_and_head), so these are
+all its own tensors. The layout holds one MTP layer: `mtp.layers.{k}` for k >= 1 has no name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -39,8 +55,10 @@ from megatron_dapo.models.weights import (
 
 __all__ = ["arch_from_hf", "arch_from_hf_config", "hf_config_from_arch", "read_hf_config",
            "canonical_param_names", "hf_sources", "to_mcore", "to_hf", "load_hf_as_mcore",
-           "load_hf_weights_into", "iter_hf_tensors", "iter_stage_hf_groups",
-           "save_mcore_as_hf", "SUPPORTED_MODEL_TYPES"]
+           "load_hf_weights_into", "iter_hf_tensors", "iter_stage_hf_groups", "mtp_hf_names", "hf_model_type",
+           "save_mcore_as_hf", "SUPPORTED_MODEL_TYPES", "MTP_HF_LAYERS"]
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -110,7 +128,8 @@ def arch_from_hf_config(config: dict, *, name: str | None = None) -> ModelArch:
     return ModelArch(**kwargs)
 
 
-def _hf_model_type(arch: ModelArch) -> str:
+def hf_model_type(arch: ModelArch) -> str:
+    """The HF model type (qwen2, qwen3, qwen3_moe) `arch` maps to; ValueError when none does."""
     if arch.add_bias_linear or arch.normalization != "RMSNorm" or not arch.swiglu or arch.moe_shared_expert_intermediate_size:
         raise ValueError(f"{arch.name}: only bias-free RMSNorm SwiGLU models without shared experts "
                          "map to Qwen checkpoints")
@@ -128,7 +147,7 @@ def _hf_model_type(arch: ModelArch) -> str:
 def hf_config_from_arch(arch: ModelArch, *, base: dict | None = None, dtype: torch.dtype | None = None) -> dict:
     """A config.json dict for `arch`; keys of `base` (e.g. token ids) are kept unless the
     architecture defines them."""
-    model_type = _hf_model_type(arch)
+    model_type = hf_model_type(arch)
     config = dict(base or {})
     for stale in ("rope_parameters", "rope_scaling", "num_local_experts", "_name_or_path"):
         config.pop(stale, None)
@@ -202,6 +221,7 @@ def canonical_param_names(arch: ModelArch, *, include_mtp: bool = True) -> list[
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _PER_LAYER = {
     "input_layernorm.weight": ("copy", ["input_layernorm.weight"]),
@@ -222,6 +242,28 @@ _GLOBAL = {
     "decoder.final_layernorm.weight": ("copy", ["model.norm.weight"]),
     "output_layer.weight": ("copy", ["lm_head.weight"]),
 }
+MTP_HF_LAYERS = 1
+"""MTP layers the HF / SGLang drafter layout holds (module docstring)."""
+_MTP_OWN = {  # the MTP layer's own tensors around its decoder layer (module docstring)
+    "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "eh_proj.weight": "mtp.fc.weight",
+    "final_layernorm.weight": "mtp.norm.weight",
+}
+
+
+def _layer_sources(prefix: str, rest: str) -> tuple[str, list[str]] | None:
+    """(kind, HF names) of one decoder layer's parameter `rest`, the HF layer prefix prepended."""
+    if rest in _PER_LAYER:
+        kind, hf_names = _PER_LAYER[rest]
+        return kind, [prefix + n for n in hf_names]
+    expert = _EXPERT.match(rest)
+    if expert:
+        e = f"{prefix}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc1":
+            return "glu", [e + "gate_proj.weight", e + "up_proj.weight"]
+        return "copy", [e + "down_proj.weight"]
+    return None
 
 
 def hf_sources(name: str) -> tuple[str, list[str]]:
@@ -229,18 +271,26 @@ def hf_sources(name: str) -> tuple[str, list[str]]:
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.match(name)
-    if match:
-        prefix, rest = f"model.layers.{match.group(1)}.", match.group(2)
-        if rest in _PER_LAYER:
-            kind, hf_names = _PER_LAYER[rest]
-            return kind, [prefix + n for n in hf_names]
-        expert = _EXPERT.match(rest)
-        if expert:
-            e = f"{prefix}mlp.experts.{expert.group(1)}."
-            if expert.group(2) == "linear_fc1":
-                return "glu", [e + "gate_proj.weight", e + "up_proj.weight"]
-            return "copy", [e + "down_proj.weight"]
-    raise ValueError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
+    found = _layer_sources(f"model.layers.{match.group(1)}.", match.group(2)) if match else None
+    mtp = _MTP_LAYER.match(name)
+    if mtp and int(mtp.group(1)) >= MTP_HF_LAYERS:
+        raise ValueError(f"no Hugging Face counterpart for Megatron parameter {name!r}: the HF MTP layout "
+                         f"(SGLang's Qwen3MoeForCausalLMMTP drafter, Qwen3-Next checkpoints) holds {MTP_HF_LAYERS} "
+                         "MTP layer (model.mtp_num_layers=1)")
+    if mtp:
+        rest = mtp.group(2)
+        if rest in _MTP_OWN:
+            found = ("copy", [_MTP_OWN[rest]])
+        elif rest.startswith("transformer_layer."):
+            found = _layer_sources("mtp.layers.0.", rest.removeprefix("transformer_layer."))
+    if found is None:
+        raise ValueError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
+    return found
+
+
+def mtp_hf_names(arch: ModelArch) -> list[str]:
+    """The HF names of the MTP drafter's tensors (what SGLang's draft model loads), in model order."""
+    return [hf for name in canonical_param_names(arch) if name.startswith("mtp.") for hf in hf_sources(name)[1]]
 
 
 def to_mcore(kind: str, tensors: list[torch.Tensor], arch: ModelArch) -> torch.Tensor:
@@ -273,15 +323,35 @@ def to_hf(kind: str, tensor: torch.Tensor, arch: ModelArch) -> list[torch.Tensor
 def hf_tensor_getter(source: SafetensorsDir, arch: ModelArch):
     """get(canonical name) -> full Megatron tensor, read from an HF checkpoint."""
     def get(name: str) -> torch.Tensor:
-        if name.startswith("mtp."):
-            raise KeyError(f"HF Qwen checkpoints have no MTP layers (Megatron {name!r}); "
-                           "pass keep_mtp_init=True to keep their initial weights")
         kind, hf_names = hf_sources(name)
         missing = [n for n in hf_names if n not in source]
+        if missing and name.startswith("mtp."):
+            raise KeyError(f"{source.path}: the checkpoint has no MTP layers ({missing[0]!r} for Megatron {name!r}); "
+                           "pass keep_mtp_init=True to keep their initial weights")
         if missing:
             raise KeyError(f"{source.path}: HF tensor(s) {missing} needed for Megatron {name!r} not found")
         return to_mcore(kind, [source.get(n) for n in hf_names], arch)
     return get
+
+
+def _fresh_mtp_layers(source: SafetensorsDir, arch: ModelArch) -> list[int]:
+    """MTP layers the checkpoint has none of (they keep their init); a layer it has only part of is a
+    KeyError naming what is missing (a truncated or foreign checkpoint, not a fresh drafter)."""
+    fresh = []
+    for k in range(arch.mtp_num_layers):
+        names = [n for n in canonical_param_names(arch) if n.startswith(f"mtp.layers.{k}.")]
+        try:
+            wanted = [hf for n in names for hf in hf_sources(n)[1]]
+        except ValueError:  # beyond the HF layout's MTP layers: never in a checkpoint
+            fresh.append(k)
+            continue
+        missing = [hf for hf in wanted if hf not in source]
+        if len(missing) == len(wanted):
+            fresh.append(k)
+        elif missing:
+            raise KeyError(f"{source.path}: MTP layer {k} is incomplete: {len(missing)} of {len(wanted)} tensors "
+                           f"missing (first: {missing[0]!r})")
+    return fresh
 
 
 def arch_from_hf(hf_dir: str) -> ModelArch:
@@ -295,14 +365,22 @@ def load_hf_weights_into(model_chunks, hf_dir: str, *, pgs, arch: ModelArch | No
     returns the canonical names loaded.
 
     arch: the architecture the model was built with (default: from config.json); its MoE and
-    attention shapes drive the QKV / SwiGLU transforms. HF Qwen checkpoints have no MTP layers:
-    a model with MTP raises unless keep_mtp_init=True (MTP layers keep their initial weights).
+    attention shapes drive the QKV / SwiGLU transforms. MTP layers load from the checkpoint's
+    `mtp.*` tensors (module docstring); released Qwen checkpoints have none, and then a model with
+    MTP raises unless keep_mtp_init=True: MTP layers absent from the checkpoint keep their initial
+    weights (logged, naming them), present ones are loaded.
     """
     arch = arch or arch_from_hf(hf_dir)
-    get = hf_tensor_getter(SafetensorsDir(hf_dir), arch)
-    skip = (lambda n: n.startswith("mtp.")) if keep_mtp_init else (lambda n: False)
+    source = SafetensorsDir(hf_dir)
+    get = hf_tensor_getter(source, arch)
+    fresh = _fresh_mtp_layers(source, arch) if keep_mtp_init else []
+    prefixes = tuple(f"mtp.layers.{k}." for k in fresh)
+    if fresh and pgs.rank == 0:
+        log.info("%s: no tensors for MTP layer(s) %s; they start from Megatron's initialisation (fresh drafter)",
+                 hf_dir, ", ".join(f"mtp.layers.{k}" for k in fresh))
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    return [name for chunk in chunks for name in load_canonical_state(chunk, get, pgs=pgs, skip=skip)]
+    return [name for chunk in chunks  # str.startswith(()) is False: nothing skipped without fresh layers
+            for name in load_canonical_state(chunk, get, pgs=pgs, skip=lambda n: n.startswith(prefixes))]
 
 
 def load_hf_as_mcore(hf_dir: str, *, pgs=None, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -330,7 +408,8 @@ def load_hf_as_mcore(hf_dir: str, *, pgs=None, tp: int = 1, pp: int = 1, ep: int
 
 def iter_hf_tensors(model, *, pgs, arch: ModelArch, drop_mtp: bool = True):
     """(HF name, full tensor) of the model, gathered over TP/PP/EP. A collective: every rank iterates;
-    the tensors are yielded on each name's writer rank only (rank 0 for a world of one)."""
+    the tensors are yielded on each name's writer rank only (rank 0 for a world of one). drop_mtp=False
+    includes the MTP layers under their drafter names (`mtp.*`, module docstring)."""
     tied = not arch.untie_embeddings_and_output_weights
     for name, full, is_writer in gather_canonical_state(model, pgs=pgs):
         if not is_writer or (drop_mtp and name.startswith("mtp.")) or (tied and name == "output_layer.weight"):
@@ -358,8 +437,9 @@ def save_mcore_as_hf(model, out_dir: str, *, pgs, arch: ModelArch, hf_config: di
     rank calls it; each writer rank writes its own files and rank 0 writes the index.
 
     hf_config: a source config.json dict whose other keys (token ids, ...) are kept.
-    dtype: cast tensors on write (default: the model's dtype). MTP layers have no HF
-    counterpart: they raise unless drop_mtp=True.
+    dtype: cast tensors on write (default: the model's dtype). MTP layers are not written
+    (transformers' Qwen classes do not load them; `iter_hf_tensors(drop_mtp=False)` gives their
+    drafter names): a model with MTP raises unless drop_mtp=True.
     """
     if arch.mtp_num_layers and not drop_mtp:       # checked before any collective starts
         raise ValueError(f"{arch.name}: HF Qwen checkpoints have no MTP layers; pass drop_mtp=True")

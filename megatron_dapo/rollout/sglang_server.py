@@ -3,7 +3,9 @@
 A server is `python -m sglang.launch_server` with SGLang's documented flags (`--model-path`,
 `--host`, `--port`, `--tp-size`, `--mem-fraction-static`, `--dtype`, `--context-length`, and for MTP
 models `--speculative-algorithm EAGLE|NEXTN`, `--speculative-num-steps`, `--speculative-eagle-topk`,
-`--speculative-num-draft-tokens`), every one present in each supported release (sglang_versions;
+`--speculative-num-draft-tokens`, `--speculative-draft-model-path` (the model path by default: the MTP
+layer lives in the target's checkpoint, and SGLang defaults the flag only for DeepSeek-style
+architectures)), every one present in each supported release (sglang_versions;
 tests launch the stand-in of each release with these commands, whose parser is that release's).
 Servers bind to loopback unless a cluster-internal address is given. `--enable-memory-saver` is
 required for /release_memory_occupation (colocation) and `--enable-deterministic-inference` for
@@ -55,6 +57,8 @@ class SGLangServerSpec:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+    """Where the drafter's weights start from; None = model_path (the MTP layer's own checkpoint)."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     """Appended verbatim (e.g. ("--trust-remote-code",))."""
 
@@ -143,6 +147,8 @@ def build_launch_command(
             str(spec.speculative_eagle_topk),
             "--speculative-num-draft-tokens",
             str(spec.speculative_num_draft_tokens),
+            "--speculative-draft-model-path",
+            spec.speculative_draft_model_path or spec.model_path,
         ]
     cmd += list(spec.extra_args)
     return cmd

@@ -183,11 +183,14 @@ class SGLangWeightSync:
                  bucket_bytes: int, timeout_s: float = 600.0, host: str | None = None,
                  group_prefix: str = "megatron_dapo_w", drop_mtp: bool = True,
                  session: Callable[[str], None] | None = None, node: int | None = None,
-                 node_leader: bool | None = None):
+                 node_leader: bool | None = None, selector: str | None = None):
         """chunks: this rank's unwrapped model chunks (virtual stages in order). session(event): called on
         rank 0 with "begin" before the first bucket and "end" after the last (SGLang's weight-update
         session, for the releases that have one). node / node_leader: this rank's node index and
-        whether it is the node's first rank (default: torchrun's GROUP_RANK and LOCAL_RANK == 0)."""
+        whether it is the node's first rank (default: torchrun's GROUP_RANK and LOCAL_RANK == 0).
+        drop_mtp=False sends the MTP layers too, under the drafter's names; selector: the `selector` of
+        every update body (SGLang 0.5.21+: "all" loads into the target and the drafter), None = absent
+        (rollout/sglang_drafter.py decides both)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_transport must be one of {TRANSPORTS}, got {transport!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -196,6 +199,7 @@ class SGLangWeightSync:
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
         self.host = host or reachable_address(servers.urls)
         self.group_prefix, self.drop_mtp, self.session = group_prefix, drop_mtp, session
+        self.selector = selector
         self.node = int(os.environ.get("GROUP_RANK", 0)) if node is None else node
         self.node_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0 if node_leader is None else node_leader
         self.sender = is_stage_sender(pgs)
@@ -323,6 +327,8 @@ class SGLangWeightSync:
     def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         body = sw.distributed_update_payload(tensors, group_name=self._group_name, flush_cache=version is not None,
                                              weight_version=None if version is None else str(version))
+        if self.selector is not None:
+            body["selector"] = self.selector
         try:
             post_all(self.servers.urls, "/update_weights_from_distributed", [body] * len(self.servers.urls),
                      timeout_s=self.timeout_s)
@@ -361,6 +367,8 @@ class SGLangWeightSync:
                                                 for _ in range(self.servers.tp_sizes[i])],
                                                flush_cache=flush, weight_version=str(version) if flush else None)
                       for i in mine]
+            if self.selector is not None:
+                bodies = [{**b, "selector": self.selector} for b in bodies]
             if self._error is None:
                 self._guard(lambda: post_all([self.servers.urls[i] for i in mine], "/update_weights_from_tensor",
                                              bodies, timeout_s=self.timeout_s), f"stage {stage}, node {self.node}")

@@ -17,9 +17,22 @@ What the wheels show (release = first one with the change):
 - 0.5.11: the counters are renamed spec_proposed_drafts / spec_accepted_drafts.
 - 0.5.12: renamed again, spec_num_proposed_drafts / spec_num_correct_drafts (the 0.5.11 names stay
   as aliases through 0.5.20, gone in 0.5.21).
+- 0.5.13: an MTP drafter for Qwen3-MoE (sglang/srt/models/qwen3_moe_mtp.py, Qwen3MoeForCausalLMMTP;
+  configs/model_config.py rewrites a draft Qwen3MoeForCausalLM to it). It is the only MTP drafter
+  SGLang has for the Qwen families megatron_dapo trains: Qwen2 / Qwen3 dense have none (qwen2_eagle.py
+  is an EAGLE head of another shape: fc with bias, no pre-fc norms, no final norm), so speculative
+  decoding from their MTP layers is impossible. SGLang defaults --speculative-draft-model-path only
+  for DeepSeek-style checkpoints: the launcher passes the model path.
 - 0.5.21: /begin_weight_update ... /end_weight_update sessions; /update_weights_from_distributed and
   /update_weights_from_tensor outside one are refused with HTTP 400 (/update_weights_from_disk is
   not); begin and both updates take `selector` ("all" | "target" | "draft": the drafter runner).
+  A distributed update now reaches the drafter: the target's runner receives the broadcast and every
+  selected runner loads it (scheduler_components/weight_updater.py). Before, it went to the target
+  alone (`self.tp_worker.update_weights_from_distributed`): the drafter kept its launch weights.
+  Tensor updates reach the drafter in every supported release (`self.draft_worker or self.tp_worker`,
+  whose update loads the drafter and then the target with the same tensors; 0.5.21+: the selector).
+  Each model keeps its own names: Qwen3MoeForCausalLM skips names containing "mtp", its drafter
+  keeps only those (models/hf.py names the MTP tensors for it).
 - 0.5.22: unknown sampling parameters are refused with HTTP 400 by the JSON contract (before: HTTP
   500 from SamplingParams(**params)); unknown request fields stay ignored in every release.
 
@@ -56,6 +69,10 @@ class ReleaseFeatures:
     spec_accepted_key: str | None = None
     weight_update_session: bool = False
     update_selector: bool = False
+    mtp_drafters: tuple[str, ...] = ()
+    """HF model types whose MTP layer SGLang loads as the NEXTN / EAGLE drafter."""
+    drafter_via_distributed: bool = False
+    """/update_weights_from_distributed reaches the drafter (tensor updates always do)."""
 
 
 CHANGES: tuple[tuple[str, dict], ...] = (
@@ -63,7 +80,8 @@ CHANGES: tuple[tuple[str, dict], ...] = (
                "spec_proposed_key": "spec_draft_token_num", "spec_accepted_key": "spec_accept_token_num"}),
     ("0.5.11", {"spec_proposed_key": "spec_proposed_drafts", "spec_accepted_key": "spec_accepted_drafts"}),
     ("0.5.12", {"spec_proposed_key": "spec_num_proposed_drafts", "spec_accepted_key": "spec_num_correct_drafts"}),
-    ("0.5.21", {"weight_update_session": True, "update_selector": True}),
+    ("0.5.13", {"mtp_drafters": ("qwen3_moe",)}),
+    ("0.5.21", {"weight_update_session": True, "update_selector": True, "drafter_via_distributed": True}),
 )
 """(release, the fields that change there): features_for folds every entry up to the version."""
 

@@ -60,8 +60,12 @@ def latest_step(root: str) -> int | None:
 def _sharded_state_dict(actor, *, is_loading: bool = False) -> dict:
     chunks = actor.policy.chunks
     model_sd = {}
+    # The data-parallel group passed explicitly: GPTModel.sharded_state_dict reads metadata['dp_cp_group']
+    # itself when its MTP layers sit on a later pipeline stage than the embedding (gpt_model.py:842), and
+    # crashes on the default metadata=None.
+    metadata = {"dp_cp_group": actor.policy.pgs.dp_cp}
     for i, c in enumerate(chunks):
-        model_sd[f"model{i}" if len(chunks) > 1 else "model"] = unwrap_model(c).sharded_state_dict()
+        model_sd[f"model{i}" if len(chunks) > 1 else "model"] = unwrap_model(c).sharded_state_dict(metadata=metadata)
     # is_loading: a fresh optimizer has no Adam state yet; Megatron then builds the template from
     # initialised states, otherwise the loaded checkpoint would silently bring no moments.
     opt_sd = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,

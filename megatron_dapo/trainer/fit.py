@@ -75,7 +75,7 @@ class TrainerParts:
     reference: PolicyModel | None = None  # built only when a KL term is used
     adv_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # algos.advantage registry entry
     kl_ctrl: KLController | None = None
-    sync_weights: Callable[[int], None] | None = None  # sync_weights(policy_version): actor -> engine
+    sync_weights: Callable[[int], dict | None] | None = None  # sync_weights(policy_version): actor -> engine
 
 
 def old_log_prob_from_update(cfg: Config, rc: dict, actor) -> bool:
@@ -123,7 +123,7 @@ class DAPOTrainer:
                 self.p.engine.release_memory()
             if batch is not None:
                 metrics.update(self._train_on(batch, step, timer))
-            self.sync_weights(step)
+            metrics.update(self.sync_weights(step) or {})  # rollout.speculative.auto reports here
             self.global_step = step
             timings = {**timer.timings_s, "step": time.perf_counter() - t0}
             if batch is not None:

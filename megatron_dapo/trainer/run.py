@@ -40,6 +40,7 @@ def _engine(cfg: Config, actor, pgs, tokenizer):
             raise ValueError("rollout.engine=local needs parallel.virtual_pipeline_model_parallel_size=null")
         return LocalEngine(unwrap_model(actor.policy.chunks[0]), pgs=pgs, eos_token_id=tokenizer.eos_id,
                            pad_token_id=tokenizer.pad_id, max_batch_size=cfg.rollout.max_num_seqs)
+    _drafter(cfg, vocab_size=tokenizer.vocab_size)  # what no release can draft fails before any server starts
     return _sglang_engine(cfg, pgs)
 
 
@@ -50,14 +51,22 @@ def _sglang_engine(cfg: Config, pgs):
     r = cfg.rollout
     engine, servers = None, []
     if pgs.rank == 0:
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
-
         servers = [] if r.sglang_urls else _launch_sglang(cfg)
-        urls = list(r.sglang_urls) or [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
-        engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
-                              max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
-                              require_deterministic=r.deterministic_inference)
+        engine = _connect(cfg, list(r.sglang_urls) or _urls(servers))
     return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, group=pgs.ctrl, servers=servers)
+
+
+def _urls(servers) -> list[str]:
+    return [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
+
+
+def _connect(cfg: Config, urls: list[str]):
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+    r = cfg.rollout
+    return SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
+                        max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
+                        require_deterministic=r.deterministic_inference)
 
 
 def _launch_sglang(cfg: Config) -> list:
@@ -94,6 +103,19 @@ def _launch_sglang(cfg: Config) -> list:
         host = "auto" if r.server_host == "127.0.0.1" else r.server_host  # reachable from rank 0's node
         return [place_sglang_servers([dataclasses.replace(s, host=host) for s in specs], log_dir=log_dir)]
     return launch_servers(specs, log_dir=log_dir, timeout_s=1800)
+
+
+def _drafter(cfg: Config, *, vocab_size: int, version: str | None = None, transport: str | None = None):
+    """How the weight sync treats the MTP layers (rollout/sglang_drafter.py) for servers of release `version`
+    (None: the checks that hold in every release)."""
+    from megatron_dapo.models.hf import hf_model_type
+    from megatron_dapo.rollout.sglang_drafter import drafter_sync
+    from megatron_dapo.rollout.sglang_versions import features_for
+    from megatron_dapo.workers.model_arch import model_arch
+
+    arch, algorithm = model_arch(cfg, vocab_size=vocab_size), cfg.rollout.speculative.algorithm
+    return drafter_sync(algorithm=algorithm, arch=arch, model_type=hf_model_type(arch) if algorithm else "",
+                        features=features_for(version) if version else None, transport=transport)
 
 
 def weight_transport(cfg: Config, pgs) -> str:
@@ -149,9 +171,39 @@ def _server_set(engine, pgs, nodes_given=()):
 def weight_sync(cfg: Config, parts):
     """The per-step actor -> engine sync: the local engine shares the actor's weights (only the version
     changes); SGLang servers get every tensor of every pipeline stage from the stages' senders
-    (rollout/sglang_sync.py), in buckets of rollout.weight_sync_bucket_mb."""
+    (rollout/sglang_sync.py), in buckets of rollout.weight_sync_bucket_mb. With rollout.speculative.auto
+    the sync also runs the with / without speculation comparison (rollout/sglang_autospec.py) and returns
+    its metrics."""
     if cfg.rollout.engine == "local":
         return lambda version: parts.engine.update_weights(None, policy_version=version)
+    spec = cfg.rollout.speculative
+    if not spec.auto:
+        return _sglang_push(cfg, parts)
+    import dataclasses
+
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.sglang_autospec import AutoSpeculation, SpeculationProbe, same_sampling
+
+    def mode(on: bool) -> Config:
+        off = dataclasses.replace(spec, algorithm=spec.algorithm if on else None, auto=False)
+        return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, speculative=off))
+
+    def relaunch(on: bool):  # rank 0: the servers of this run, stopped and started in the other mode
+        for server in parts.engine.servers:
+            server.stop()
+        parts.engine.servers = _launch_sglang(mode(on))
+        return _connect(cfg, _urls(parts.engine.servers))
+
+    r = cfg.rollout
+    train = SamplingParams(max_new_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature,
+                           top_p=r.top_p, top_k=r.top_k)
+    return AutoSpeculation(SpeculationProbe(steps=spec.auto_steps, start_step=spec.auto_start_step), pgs=parts.pgs,
+                           engine=parts.engine, counted=same_sampling(train),
+                           make_push=lambda on: _sglang_push(mode(on), parts), relaunch=relaunch)
+
+
+def _sglang_push(cfg: Config, parts):
+    """The plain SGLang sync (weight_sync) for servers of cfg's speculative mode."""
     from megatron_dapo.models.forward import unwrap_model
     from megatron_dapo.rollout.sglang_sync import MIB, SGLangWeightSync, WeightSyncError
     from megatron_dapo.workers.model_arch import model_arch
@@ -165,10 +217,15 @@ def weight_sync(cfg: Config, parts):
     session = None
     if pgs.rank == 0 and hasattr(engine.engine, "weight_update_session"):
         session = _session_hook(engine.engine)
+    version = [engine.engine.sglang_version if pgs.rank == 0 else None]  # the servers' release, known on rank 0
+    if pgs.world_size > 1:
+        torch.distributed.broadcast_object_list(version, src=0, group=pgs.ctrl)
+    drafter = _drafter(cfg, vocab_size=parts.tokenizer.vocab_size, version=version[0], transport=transport)
     sync = SGLangWeightSync(servers, pgs=pgs, chunks=[unwrap_model(c) for c in parts.actor.policy.chunks],
                             arch=model_arch(cfg, vocab_size=parts.tokenizer.vocab_size), transport=transport,
                             bucket_bytes=max(1, int(r.weight_sync_bucket_mb * MIB)), timeout_s=r.weight_sync_timeout_s,
-                            host=r.weight_sync_host or None, session=session)
+                            host=r.weight_sync_host or None, session=session, drop_mtp=not drafter.send_mtp,
+                            selector=drafter.selector)
     sync.setup()
 
     colocated = r.mode == "colocate"

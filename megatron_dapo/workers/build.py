@@ -45,7 +45,7 @@ def build_model_chunks(cfg: Config, arch: ModelArch, pgs, *, seed: int) -> list:
     if cfg.model.hf_path:
         from megatron_dapo.models.hf import load_hf_weights_into
 
-        load_hf_weights_into(chunks, cfg.model.hf_path, arch=arch, pgs=pgs)
+        load_hf_weights_into(chunks, cfg.model.hf_path, arch=arch, pgs=pgs, keep_mtp_init=True)  # fresh MTP, logged
     if cfg.actor.mtp_detach_trunk:
         for chunk in chunks:
             _detach_mtp_input(chunk)

@@ -22,17 +22,28 @@ def test_key_names_are_the_engine_meta_keys():
     )
 
 
-def test_per_request_rates_and_lengths_are_averaged_with_zero_denominators_as_zero():
+def test_per_request_rates_and_lengths_are_averaged_over_requests_with_a_verify_step():
     meta = [_req(10, 6, 4), _req(0, 0, 0), _req(8, 8, 2, finish_reason={"type": "stop"})]
     m = compute_spec_decode_metrics(meta)
-    # rates 0.6, 0, 1.0; lengths 1 + 6/4 = 2.5, 0, 1 + 8/2 = 5
+    # rates 0.6, 1.0; lengths 1 + 6/4 = 2.5, 1 + 8/2 = 5; the request without a verify step is counted apart
     assert m == pytest.approx(
         {
-            "spec_decode/accept_rate": 1.6 / 3,
-            "spec_decode/accept_length": 2.5,
-            "spec_decode/num_requests": 3.0,
+            "spec_decode/accept_rate": 0.8,
+            "spec_decode/accept_length": 3.75,
+            "spec_decode/num_requests": 2.0,
+            "spec_decode/num_unverified": 1.0,
         }
     )
+
+
+def test_a_request_without_counters_is_one_without_a_verify_step():
+    """SGLang 0.5.8+ sends no counters for a request that never verified (a one-token response); before,
+    zeros. Both read the same, and one such request does not blank the step's metrics."""
+    with_zeros = compute_spec_decode_metrics([_req(10, 6, 4), _req(0, 0, 0)])
+    assert compute_spec_decode_metrics([_req(10, 6, 4), {"finish_reason": {"type": "stop"}}]) == with_zeros
+    assert with_zeros["spec_decode/num_requests"] == 1.0 and with_zeros["spec_decode/accept_length"] == 2.5
+    only_unverified = compute_spec_decode_metrics([_req(0, 0, 0), {}])
+    assert only_unverified == {"spec_decode/num_requests": 0.0, "spec_decode/num_unverified": 2.0}
 
 
 def test_verified_without_drafts_has_rate_zero_and_length_one():

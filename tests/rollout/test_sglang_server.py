@@ -94,8 +94,12 @@ def test_launch_command_with_mtp_speculative_args_and_colocation_flags():
         "1",
         "--speculative-num-draft-tokens",
         "3",
+        "--speculative-draft-model-path",  # the MTP layer lives in the model's own checkpoint
+        "m",
         "--trust-remote-code",
     ]
+    other = SGLangServerSpec(model_path="m", port=1, speculative_algorithm="EAGLE", speculative_draft_model_path="d")
+    assert build_launch_command(other, launcher=())[-2:] == ["--speculative-draft-model-path", "d"]
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ SGLang's does), plus a few stand-in flags.
 Flags the stand-in acts on: --model-path, --host, --port, --tp-size (alias --tensor-parallel-size),
 --dtype, --context-length, --enable-deterministic-inference, --enable-memory-saver,
 --enable-weights-cpu-backup, --speculative-algorithm, --speculative-num-steps,
---speculative-num-draft-tokens. Every other flag of the release is accepted and reported in
+--speculative-num-draft-tokens, --speculative-draft-model-path. Every other flag of the release is accepted and reported in
 /server_info, as SGLang does, without effect.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from tests.standin.protocol import DEFAULT_VERSION, Protocol, available_versions
 
 STANDIN_FLAGS = ("--emulate-version", "--toy", "--toy-vocab-size", "--max-lifetime-s", "--receive-timeout-s",
-                 "--load-delay-s")
+                 "--load-delay-s", "--forward-delay-s", "--draft-delay-s")
 
 
 def _dest(flag: str) -> str:
@@ -44,6 +44,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Protocol
                          help="timeout of weight-update group rendezvous and broadcasts")
     standin.add_argument("--load-delay-s", type=float, default=0.0,
                          help="wait this long before loading the model (/health answers 503 meanwhile)")
+    standin.add_argument("--forward-delay-s", type=float, default=0.0,
+                         help="emulated time of one target forward: the prefill, then every token (without "
+                              "speculation) or every verify step (with it)")
+    standin.add_argument("--draft-delay-s", type=float, default=0.0,
+                         help="emulated time of one draft step; a verify step follows --speculative-num-steps "
+                              "of them")
     interpreted = {"--port": int, "--tp-size": int, "--tensor-parallel-size": int, "--context-length": int,
                    "--speculative-num-steps": int, "--speculative-num-draft-tokens": int,
                    "--speculative-eagle-topk": int, "--mem-fraction-static": float, "--base-gpu-id": int}
@@ -74,7 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Protocol
     for name in ("enable_deterministic_inference", "enable_memory_saver", "enable_weights_cpu_backup"):
         setattr(args, name, bool(getattr(args, name, False)))
     for name, default in (("speculative_algorithm", None), ("speculative_num_steps", None),
-                          ("speculative_num_draft_tokens", None), ("context_length", None)):
+                          ("speculative_num_draft_tokens", None), ("speculative_draft_model_path", None),
+                          ("context_length", None)):
         if not hasattr(args, name):
             setattr(args, name, default)
     if args.tp_size < 1:

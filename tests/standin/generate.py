@@ -7,6 +7,11 @@ tokens had verify = ceil((n - 1) / 2) steps and (n - 1) - verify accepted drafts
 are verify * (speculative_num_draft_tokens - 1) (verify * speculative_num_steps in 0.5.5). From
 0.5.8 the counters appear only when verify > 0, under the names the release's tokenizer manager
 sets (protocol JSON `meta_info_keys`).
+
+Emulated speed (--forward-delay-s F, --draft-delay-s D, both 0 by default): the prefill takes F; then
+without speculation every token takes F, with it every verify step takes F + speculative_num_steps * D
+and yields two tokens (the schedule of the counters above). So speculation is faster per token exactly
+when F + steps * D < 2 F.
 """
 
 from __future__ import annotations
@@ -131,6 +136,10 @@ def _one(st: State, input_ids, s: ItemSampling, rid: str, aborted: threading.Eve
         if aborted.is_set() or st.stopping.is_set():
             finish = dict(ABORT)
             break
+        delay = _forward_delay(st, len(tokens))
+        if delay and _sleep(st, delay, [aborted]):
+            finish = dict(ABORT)
+            break
         tok, lp = next(decoder)
         tokens.append(tok)
         logps.append(lp)
@@ -165,6 +174,16 @@ def _one(st: State, input_ids, s: ItemSampling, rid: str, aborted: threading.Eve
     elif m == "spec_negative":
         meta["spec_verify_ct"] = -1
     return {"text": " ".join(f"t{t}" for t in tokens), "output_ids": output_ids, "meta_info": meta}
+
+
+def _forward_delay(st: State, i: int) -> float:
+    """Emulated seconds before token i (module docstring): the prefill, each token, or each verify step."""
+    a = st.args
+    if not a.speculative_algorithm or i == 0:
+        return a.forward_delay_s
+    if (i - 1) % 2:
+        return 0.0  # the second token of a verify step
+    return a.forward_delay_s + (a.speculative_num_steps or 3) * a.draft_delay_s
 
 
 def _count_token(st: State) -> None:

@@ -41,6 +41,48 @@ def sample_token(logits_V: torch.Tensor, s: ItemSampling, gen: torch.Generator) 
 
 # ----------------------------------------------------------------------------- Hugging Face
 
+def checkpoint_targets(named_params, *, prefix: str = "", skip=()) -> dict[str, tuple[torch.Tensor, object]]:
+    """{checkpoint name: (parameter, index)} of transformers parameters: fused experts (gate_up_proj
+    [E, 2I, H], down_proj [E, H, I]) answer to the per-expert checkpoint names; `prefix` is prepended."""
+    out: dict[str, tuple[torch.Tensor, object]] = {}
+    for name, p in named_params:
+        if name in skip:
+            continue
+        name = prefix + name
+        if name.endswith("mlp.experts.gate_up_proj"):
+            num_e, two_i = p.shape[0], p.shape[1]
+            for e in range(num_e):
+                base = name.removesuffix("gate_up_proj") + f"{e}."
+                out[base + "gate_proj.weight"] = (p, (e, slice(0, two_i // 2)))
+                out[base + "up_proj.weight"] = (p, (e, slice(two_i // 2, two_i)))
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[name.removesuffix("down_proj") + f"{e}.down_proj.weight"] = (p, (e,))
+        else:
+            out[name] = (p, ())
+    return out
+
+
+def check_named(targets: dict, named: dict[str, torch.Tensor], *, owner: str) -> str | None:
+    """The first problem (unknown name, wrong shape) of a bucket against `targets`, or None."""
+    for name, t in named.items():
+        if name not in targets:
+            return f"unknown parameter {name!r} (not a tensor of this {owner})"
+        p, index = targets[name]
+        want = tuple(p[index].shape) if index else tuple(p.shape)
+        if tuple(t.shape) != want:
+            return f"parameter {name!r}: shape {list(t.shape)} != the model's {list(want)}"
+    return None
+
+
+def load_named(targets: dict, named: dict[str, torch.Tensor]) -> None:
+    """Copy checked tensors into their parameters (cast to the parameter's dtype)."""
+    with torch.no_grad():
+        for name, t in named.items():
+            p, index = targets[name]
+            (p[index] if index else p).copy_(t)
+
+
 class HFModel:
     """A transformers causal LM on CPU; decoding with its KV cache; weights replaced by checkpoint name.
 
@@ -63,51 +105,31 @@ class HFModel:
         eos = cfg.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.skips_mtp = cfg.model_type == "qwen3_moe"  # Qwen3MoeForCausalLM.load_weights: `elif "mtp" in name`
         self.lock = threading.Lock()  # one forward or one weight load at a time
         self.targets = self._targets()
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, object]]:
-        out: dict[str, tuple[torch.Tensor, object]] = {}
-        for name, p in self.model.state_dict(keep_vars=True).items():
-            if name == "lm_head.weight" and self.tied:
-                continue  # SGLang skips lm_head of a tied model; the embedding is the head
-            if name.endswith("mlp.experts.gate_up_proj"):
-                num_e, two_i = p.shape[0], p.shape[1]
-                for e in range(num_e):
-                    base = name.removesuffix("gate_up_proj") + f"{e}."
-                    out[base + "gate_proj.weight"] = (p, (e, slice(0, two_i // 2)))
-                    out[base + "up_proj.weight"] = (p, (e, slice(two_i // 2, two_i)))
-            elif name.endswith("mlp.experts.down_proj"):
-                for e in range(p.shape[0]):
-                    out[name.removesuffix("down_proj") + f"{e}.down_proj.weight"] = (p, (e,))
-            else:
-                out[name] = (p, ())
-        return out
+        skip = {"lm_head.weight"} if self.tied else set()  # SGLang skips lm_head of a tied model
+        return checkpoint_targets(self.model.state_dict(keep_vars=True).items(), skip=skip)
 
     def expected_names(self) -> set[str]:
         return set(self.targets)
 
+    def accepts(self, name: str) -> bool:
+        """Whether the model's load_weights takes `name`: SGLang's Qwen3MoeForCausalLM skips every
+        name containing "mtp" (its drafter's), and a tied model skips lm_head."""
+        return not (name == "lm_head.weight" and self.tied) and not (self.skips_mtp and "mtp" in name)
+
     def check(self, named: dict[str, torch.Tensor]) -> str | None:
         """The first problem (unknown name, wrong shape) of a bucket, or None."""
-        for name, t in named.items():
-            if name == "lm_head.weight" and self.tied:
-                continue
-            if name not in self.targets:
-                return f"unknown parameter {name!r} (not a tensor of this {type(self.model).__name__})"
-            p, index = self.targets[name]
-            want = tuple(p[index].shape) if index else tuple(p.shape)
-            if tuple(t.shape) != want:
-                return f"parameter {name!r}: shape {list(t.shape)} != the model's {list(want)}"
-        return None
+        return check_named(self.targets, {n: t for n, t in named.items() if self.accepts(n)},
+                           owner=type(self.model).__name__)
 
     def load(self, named: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors into the model (cast to its dtype)."""
-        with self.lock, torch.no_grad():
-            for name, t in named.items():
-                if name == "lm_head.weight" and self.tied:
-                    continue
-                p, index = self.targets[name]
-                (p[index] if index else p).copy_(t)
+        with self.lock:
+            load_named(self.targets, {n: t for n, t in named.items() if self.accepts(n)})
 
     @torch.no_grad()
     def logits(self, input_ids: Sequence[int]) -> torch.Tensor:

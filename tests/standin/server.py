@@ -30,10 +30,19 @@ What it does as SGLang does (the release's source is the reference; see protocol
   receiver ranks (weights.py); from 0.5.21 distributed and tensor updates outside a
   /begin_weight_update ... /end_weight_update session are refused with 400, as SGLang does, and
   `selector` picks the runners (target, draft: the draft runner exists with --speculative-algorithm);
+  before 0.5.21 a distributed update reaches the target only, a tensor update the drafter and the
+  target (weight_routes.py);
+- with --speculative-algorithm on an HF Qwen3-MoE model (0.5.13+) the draft runner is SGLang's MTP
+  drafter (draft.py: Qwen3MoeForCausalLMMTP, its `mtp.*` names and shapes, loaded from
+  --speculative-draft-model-path, which SGLang requires for this architecture); a toy server's draft
+  runner keeps whatever it is sent; --forward-delay-s / --draft-delay-s emulate decoding speed with
+  and without speculation (generate.py);
 - a payload the server's unpickler cannot open kills the server ("Scheduler hit an exception" in
   its log, the HTTP connection drops), as SGLang's scheduler does.
 
 Stand-in stricter than SGLang (each catches a wrong order that real hardware would punish later):
+--speculative-algorithm on an HF model SGLang has no MTP drafter for (it would load a second full model
+as the drafter) exits at load; an unknown `mtp.*` name sent to the drafter is a 400 (SGLang skips it);
 generation is refused with 400 naming the cause while weights / KV cache / CUDA graphs are released,
 or while weights resumed without CPU backup have not all been updated; an unknown or mis-shaped
 tensor name is a 400 naming it; an unknown memory tag is a 400.
@@ -348,12 +357,39 @@ def _load(st: State) -> None:
 
             torch.set_num_threads(1)  # several stand-ins and trainer ranks share two cores in the tests
             st.model = HFModel(a.model_path, dtype=a.dtype, context_length=a.context_length)
+            if a.speculative_algorithm:
+                st.draft = _load_drafter(st)
         st.role_weights = {role: [{} for _ in range(a.tp_size)] for role in st.roles}
     except Exception as e:  # noqa: BLE001 - a failed start is a dead server, as for SGLang
         st.crash("load", e)
     st.ready.set()
     print(f"The server is fired up and ready to roll! (stand-in for SGLang {st.proto.version}, "
           f"{'toy' if a.toy else a.model_path}, tp_size={a.tp_size})", flush=True)
+
+
+def _load_drafter(st: State):
+    """The MTP drafter SGLang's draft worker builds for this model (draft.py), with the `mtp.*` tensors
+    of --speculative-draft-model-path loaded (a checkpoint without them leaves the initial weights, as
+    SGLang leaves whatever the parameters held)."""
+    from tests.standin.draft import MTP_DRAFTERS, drafter_for
+
+    a, config = st.args, st.model.model.config
+    if not a.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm without --speculative-draft-model-path: SGLang defaults the "
+                         "draft path to --model-path only for DeepSeek-style architectures, not for "
+                         f"{config.architectures}")
+    draft = drafter_for(config, st.proto.version)
+    if draft is None:
+        raise ValueError(f"SGLang {st.proto.version} has no MTP drafter for {config.architectures} (the stand-in "
+                         f"emulates {sorted(MTP_DRAFTERS.items())}: model type and first release)")
+    from safetensors import safe_open
+
+    for f in sorted(Path(a.speculative_draft_model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            named = {k: handle.get_tensor(k) for k in handle.keys() if draft.accepts(k)}
+        if draft.check(named) is None:
+            draft.load(named)
+    return draft
 
 
 def main(argv=None) -> None:

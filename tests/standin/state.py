@@ -46,6 +46,7 @@ class State:
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.model = None
+        self.draft = None  # draft.DraftModel of an HF model served with --speculative-algorithm (toy: None)
         self.ranks = None
         self.roles = ["target"] + (["draft"] if args.speculative_algorithm else [])
         self.role_weights: dict[str, list[dict]] = {}

@@ -9,6 +9,14 @@ begin, or an end without begin, is refused; `selector` ("all" | "target" | "draf
 that load the tensors (the draft runner exists with --speculative-algorithm; selecting only roles
 the server lacks loads nothing and succeeds, as SGLang's empty runner list does).
 /update_weights_from_disk needs no session in any release.
+
+Which runners an update reaches before 0.5.21 (no selector), as the releases' schedulers do:
+/update_weights_from_distributed only the target (`self.tp_worker.update_weights_from_distributed`:
+the drafter keeps its launch weights), /update_weights_from_tensor the drafter and then the target with
+the same tensors (`self.draft_worker or self.tp_worker`; from 0.5.11 `disable_draft_model` skips the
+drafter), /update_weights_from_disk both. Each runner keeps the names its model loads (draft.py,
+model.py `accepts`): the Qwen3-MoE target skips `mtp.*`, its drafter takes only `mtp.*`; the toy
+model's runners keep every name.
 """
 
 from __future__ import annotations
@@ -24,9 +32,16 @@ def _fail(message: str, **extra) -> None:
     raise Reply(400, {"success": False, "message": message, **extra})
 
 
-def _selector(st: State, path: str, body: dict) -> str:
+def _roles(st: State, path: str, body: dict) -> tuple[str, ...]:
+    """The runners an update loads into (module docstring)."""
     fields = st.proto.request_fields(path) or {}
-    return body.get("selector", "all") if "selector" in fields else "all"
+    if "selector" in fields:
+        return ROLES[body.get("selector", "all")]
+    if path == "/update_weights_from_distributed":
+        return ("target",)
+    if path == "/update_weights_from_tensor" and body.get("disable_draft_model"):
+        return ("target",)
+    return ROLES["all"]
 
 
 def _require_session(st: State, op: str) -> None:
@@ -34,19 +49,24 @@ def _require_session(st: State, op: str) -> None:
         _fail(f"{op} must run between begin_weight_update() and end_weight_update()")
 
 
-def _apply(st: State, per_rank: list[dict], *, selector: str, weight_version) -> None:
-    """Keep every rank's tensors under the selected roles and load TP rank 0's into the model."""
-    roles = [r for r in ROLES[selector] if r in st.role_weights]
-    if "target" in roles and hasattr(st.model, "check"):
-        problem = st.model.check(per_rank[0])
+def _apply(st: State, per_rank: list[dict], *, roles: tuple[str, ...], weight_version) -> None:
+    """Keep every rank's tensors under the selected roles (the names each role's model loads) and load
+    TP rank 0's into the models."""
+    roles = [r for r in roles if r in st.role_weights]
+    models = {role: st.model if role == "target" else st.draft for role in roles}
+    for model in models.values():
+        problem = model.check(per_rank[0]) if hasattr(model, "check") else None
         if problem:
             _fail(f"Failed to update weights: {problem}")
     with st.lock:
-        for role in roles:
+        for role, model in models.items():
+            keep = getattr(model, "accepts", lambda name: True)
             for r, named in enumerate(per_rank):
-                st.role_weights[role][r].update(named)
+                st.role_weights[role][r].update({n: t for n, t in named.items() if keep(n)})
+    for model in models.values():
+        if model is not None and hasattr(model, "load"):
+            model.load(per_rank[0])
     if "target" in roles:
-        st.model.load(per_rank[0])
         st.stale.difference_update(per_rank[0])
     with st.lock:
         if st.session is not None:
@@ -84,7 +104,7 @@ def from_distributed(st: State, body: dict, query):
             per_rank = st.get_ranks().receive(body)
         except (RankError, ValueError) as e:
             _fail(f"Failed to receive weights: {e}")
-        _apply(st, per_rank, selector=_selector(st, "/update_weights_from_distributed", body),
+        _apply(st, per_rank, roles=_roles(st, "/update_weights_from_distributed", body),
                weight_version=body.get("weight_version"))
     return {"success": True, "message": "Succeeded to update parameter online."}
 
@@ -100,7 +120,7 @@ def from_tensor(st: State, body: dict, query):
             per_rank = st.get_ranks().open_serialized(entries[: st.get_ranks().tp_size])
         except RankError as e:
             st.crash("update_weights_from_tensor", e.error)
-        _apply(st, per_rank, selector=_selector(st, "/update_weights_from_tensor", body),
+        _apply(st, per_rank, roles=_roles(st, "/update_weights_from_tensor", body),
                weight_version=body.get("weight_version"))
     return {"success": True, "message": "Succeeded to update model weights."}
 
@@ -117,7 +137,7 @@ def from_disk(st: State, body: dict, query):
             named = {}
             for f in files:
                 named.update(load_file(str(f)))
-            _apply(st, [named] * st.get_ranks().tp_size, selector="all", weight_version=None)
+            _apply(st, [named] * st.get_ranks().tp_size, roles=ROLES["all"], weight_version=None)
         if body.get("weight_version") is not None:
             st.weight_version = body["weight_version"]
     return {"success": True, "message": f"Succeeded to update model weights from {path}.", "num_paused_requests": 0}
