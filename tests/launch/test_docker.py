@@ -166,13 +166,13 @@ def test_sglang_filter_script_reads_a_wheels_metadata(tmp_path):
 
 
 def test_make_docker_builds_the_dockerfile_with_the_chosen_base():
-    out = subprocess.run(["make", "-n", "docker", "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3",
+    out = subprocess.run(["make", "--no-print-directory", "-n", "docker", "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3",
                           "SGLANG_VERSION=0.5.22", "IMAGE=reg/megatron-dapo:t"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     words = shlex.split(out.replace("\\\n", " "))
     assert words[:4] == ["docker", "build", "-f", "docker/Dockerfile"] and words[-1] == "."
     assert "BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3" in words and "SGLANG_VERSION=0.5.22" in words
     assert words[words.index("-t") + 1] == "reg/megatron-dapo:t"
-    default = shlex.split(subprocess.run(["make", "-n", "docker"], cwd=REPO, capture_output=True, text=True,
+    default = shlex.split(subprocess.run(["make", "--no-print-directory", "-n", "docker"], cwd=REPO, capture_output=True, text=True,
                                          check=True).stdout.replace("\\\n", " "))
     assert "--build-arg" not in default and default[default.index("-t") + 1] == "megatron-dapo:latest"

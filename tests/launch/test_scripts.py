@@ -58,7 +58,7 @@ def test_env_file_sets_defaults_and_keeps_user_values():
 
 
 def _make_n(target, *args):
-    proc = subprocess.run(["make", "-n", target, *args], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, *args], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -196,7 +196,7 @@ MADE_UP = [f"dryrun-node-{i:02d}" for i in range(1, 17)]
 
 @pytest.mark.parametrize("target, recipe", SBATCH_TARGETS.items())
 def test_make_dry_run_without_slurm_previews_the_headers_16_nodes(target, recipe, tmp_path):
-    proc = subprocess.run(["make", "-s", target, "ARGS=actor.lr=2e-6"], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run(["make", "-s", "--no-print-directory", target, "ARGS=actor.lr=2e-6"], cwd=REPO, capture_output=True, text=True,
                           env=_no_slurm_env(DRY_RUN="1"), timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
