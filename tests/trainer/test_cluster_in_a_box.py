@@ -73,9 +73,14 @@ def _launch(out: pathlib.Path, overrides, nproc: int, port: int):
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
         "127.0.0.1", "--master_port", str(port)]
-    r = subprocess.run([*launcher, str(ROOT / "tests/trainer/_mp_cluster.py"), str(out), *overrides], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-6000:]
+    # Output to a file, not a pipe: with the ipc transport on CPU the ranks start torch_shm_manager, which
+    # inherits their stdout and lives as long as the stand-in servers holding the shared tensors, so a
+    # pipe would not reach EOF when the launch ends.
+    log = out / "launch.log"
+    with open(log, "w") as f:
+        rc = subprocess.run([*launcher, str(ROOT / "tests/trainer/_mp_cluster.py"), str(out), *overrides],
+                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
+    assert rc == 0, log.read_text()[-8000:]
     acc = EventAccumulator(str(out / "tiny_cpu/tb"), size_guidance={"scalars": 0})
     acc.Reload()
     scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
