@@ -165,14 +165,21 @@ class GroupBuffer:
 
 class StopWhenFull:
     """The streaming stop callback (`RolloutEngine.generate_streaming`): True once `need` informative groups
-    are complete. score_groups(groups) -> ScoredBatch scores complete groups (on the calling rank only)."""
+    are complete. score_groups(groups) -> ScoredBatch scores complete groups (on the calling rank only).
+
+    Groups wait unscored while even all of them together could not meet the need: the answer is the same,
+    with fewer reward calls (the first ones of a generation batch cannot stop it)."""
 
     def __init__(self, *, need: int, metric: str, score_groups: Callable[[list[list[Sample]]], ScoredBatch]):
         self.need, self.metric, self.score_groups = need, metric, score_groups
         self.informative = 0
+        self.pending: list[list[Sample]] = []
 
     def __call__(self, groups: list[list[Sample]]) -> bool:
-        scored = self.score_groups(groups)
+        self.pending += groups
+        if self.informative + len(self.pending) < self.need:
+            return False
+        scored, self.pending = self.score_groups(self.pending), []
         self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
         return self.informative >= self.need
 

@@ -7,6 +7,9 @@
 Data parallelism is SPMD: every rank generates and scores the same batch (the local engine is
 deterministic under per-sample seeds), and the actor splits rows over DP ranks. Only rank 0
 writes logs, dumps and the trainer state.
+
+With algorithm.filter_groups.streaming a generation batch stops as soon as the step's informative groups
+are complete; the cut groups' prompts go back to the sampler's front (trainer/dynamic_sampling.py).
 """
 
 from __future__ import annotations

@@ -53,10 +53,19 @@ def test_costs_survive_the_in_flight_state():
 
 
 def test_stop_when_full_counts_informative_groups_until_the_need_is_met():
-    batches = iter([scored({"a": [1, 1]}), scored({"b": [0, 1], "c": [0, 0]}), scored({"d": [1, 0]})])
-    stop = StopWhenFull(need=2, metric="acc", score_groups=lambda groups: next(batches))
-    assert [stop([]), stop([]), stop([])] == [False, False, True]
-    assert stop.informative == 2
+    """need 3: groups wait unscored while all of them together could not meet it (a, b; then d after one of a, b, c
+    was informative)."""
+    acc = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [1, 0], "e": [0, 1]}
+    calls = []
+
+    def score_groups(groups):
+        calls.append([g[0] for g in groups])
+        return scored({gid: acc[gid] for gid in calls[-1]})
+
+    stop = StopWhenFull(need=3, metric="acc", score_groups=score_groups)
+    assert [stop([["a"] * 2]), stop([["b"] * 2]), stop([["c"] * 2]), stop([["d"] * 2]), stop([["e"] * 2])] == \
+        [False, False, False, False, True]
+    assert calls == [["a", "b", "c"], ["d", "e"]] and stop.informative == 3
 
 
 def test_a_group_with_any_aborted_sample_is_cut():
