@@ -281,6 +281,22 @@ def test_a_streaming_callback_error_propagates(pgs, actor):
                                                     on_groups_done=boom)
 
 
+@pytest.mark.slow  # two torchrun processes: about 50 s on the shared 2-core machine
+def test_the_streaming_stop_is_decided_on_rank_0_and_reaches_every_rank(tmp_path):
+    """2 gloo ranks in lockstep (decision_group): both get rank 0's answers, only rank 0 runs the callback, and
+    rank 0's callback error reaches rank 1 as a named error."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29450 + os.getpid() % 150), str(ROOT / "tests/rollout/_mp_stream_decide.py"),
+           str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d0, d1 = ((tmp_path / f"decide{k}.txt").read_text().splitlines() for k in (0, 1))
+    assert d0[:2] == ["[False, True]", "2"] and d1[:2] == ["[False, True]", "0"]
+    assert d0[2] == "KeyError: 'reward down'"
+    assert d1[2] == "RolloutEngineError: the streaming stop callback failed on the deciding rank"
+
+
 def test_update_weights_copies_by_name_and_sets_the_version(pgs, actor):
     from megatron_dapo.models.builder import build_gpt_model
     from megatron_dapo.workers.build import model_arch
