@@ -75,7 +75,15 @@ class Config:
 
 
 def _check_dynamic_sampling(cfg: Config) -> None:
-    if not cfg.algorithm.filter_groups.enable:
+    fg = cfg.algorithm.filter_groups
+    if fg.streaming:
+        where = ("algorithm.filter_groups.enable=false (there is nothing to stop early for)" if not fg.enable else
+                 f"rollout.engine={cfg.rollout.engine} (only the local engine streams so far)"
+                 if cfg.rollout.engine != "local" else "queue.enable=true (the sync trainer streams)"
+                 if cfg.queue.enable else None)
+        if where is not None:
+            raise ConfigError("algorithm.filter_groups.streaming", f"expected false with {where}, got true")
+    if not fg.enable:
         if cfg.data.effective_gen_batch_size != cfg.data.train_batch_size:
             raise ConfigError("data.gen_batch_size", f"expected null or data.train_batch_size "
                               f"({cfg.data.train_batch_size}) when dynamic sampling is off (every generated "

@@ -3,6 +3,10 @@
 The order of epoch ``e`` is a permutation drawn from a numpy Generator seeded with
 ``(seed, e)``, so it depends on nothing but those two numbers: a sampler rebuilt from
 ``state_dict()`` continues with exactly the batches an uninterrupted one would have produced.
+
+``push_front(items)`` gives drawn items back (streaming dynamic sampling returns the prompts of the
+groups it cut): the next batches start with them, then continue the epoch order where it stood. The
+pushed-back items are part of ``state_dict()``, so a resumed run neither loses nor repeats them.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class ResumableSampler:
         self._index_in_epoch = 0
         self._order_epoch: int | None = None
         self._order: list[int] = []
+        self._front: list[int] = []  # given back by push_front, yielded before the epoch order
 
     @property
     def epoch(self) -> int:
@@ -80,15 +85,35 @@ class ResumableSampler:
             return self.num_items - self.num_items % self.batch_size
         return self.num_items
 
+    @property
+    def front(self) -> list[int]:
+        """Items given back by push_front that the next batches yield first."""
+        return list(self._front)
+
+    def push_front(self, items: list[int]) -> None:
+        """Give drawn items back: the next batch starts with them (in this order, before any given back
+        earlier)."""
+        for i in items:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_items:
+                raise ValueError(f"push_front: item {i!r} is not an index in [0, {self.num_items})")
+        self._front = list(items) + self._front
+
     def next_batch(self) -> list[int]:
-        order = self._epoch_order(self._epoch)
-        start = self._index_in_epoch
-        stop = min(start + self.batch_size, self._epoch_end())
-        batch = order[start:stop]
-        if stop >= self._epoch_end():
-            self._epoch, self._index_in_epoch = self._epoch + 1, 0
-        else:
-            self._index_in_epoch = stop
+        """``batch_size`` items: the pushed-back ones first, then the epoch order. With ``drop_last`` a batch
+        that pushed-back items left unaligned continues into the next epoch (every batch is full);
+        without it the epoch still ends with one smaller batch."""
+        batch, self._front = self._front[: self.batch_size], self._front[self.batch_size:]
+        while len(batch) < self.batch_size:
+            order = self._epoch_order(self._epoch)
+            start = self._index_in_epoch
+            stop = min(start + self.batch_size - len(batch), self._epoch_end())
+            batch += order[start:stop]
+            if stop >= self._epoch_end():
+                self._epoch, self._index_in_epoch = self._epoch + 1, 0
+                if not self.drop_last:
+                    break
+            else:
+                self._index_in_epoch = stop
         return batch
 
     def __iter__(self) -> ResumableSampler:
@@ -106,6 +131,7 @@ class ResumableSampler:
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "front": list(self._front),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -122,14 +148,11 @@ class ResumableSampler:
         epoch, index = state["epoch"], state["index_in_epoch"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"sampler state has epoch={epoch!r}, expected an int >= 0")
-        if (
-            isinstance(index, bool)
-            or not isinstance(index, int)
-            or not 0 <= index < self._epoch_end()
-            or index % self.batch_size != 0
-        ):
-            raise ValueError(
-                f"sampler state has index_in_epoch={index!r}, expected a multiple of batch_size="
-                f"{self.batch_size} in [0, {self._epoch_end()})"
-            )
-        self._epoch, self._index_in_epoch = epoch, index
+        # Without pushed-back items the position is a multiple of batch_size; push_front shifts it.
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._epoch_end():
+            raise ValueError(f"sampler state has index_in_epoch={index!r}, expected an int in [0, {self._epoch_end()})")
+        front = list(state.get("front", []))  # absent in checkpoints written before push_front existed
+        bad = [i for i in front if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_items]
+        if bad:
+            raise ValueError(f"sampler state has front item {bad[0]!r}, expected indices in [0, {self.num_items})")
+        self._epoch, self._index_in_epoch, self._front = epoch, index, front

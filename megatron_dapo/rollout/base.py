@@ -13,6 +13,13 @@ Ordering contract of `RolloutEngine.generate`: the returned list has `len(prompt
 samples, ordered by prompt (in the order given) and then by `sample_index` 0..n-1. Prompt ids must
 be unique within one call: they define the GRPO groups.
 
+Streaming (`generate_streaming`, engines with `supports_streaming`): the same call and ordering, plus a
+callback `on_groups_done(groups)` that the engine calls whenever groups complete (all n samples of a
+prompt ended with "stop" or "length"), with those groups as lists of n Samples. Once it returns True
+the engine stops: the samples of every group not complete come back with finish_reason "abort"
+(the tokens sampled so far, or none). Streaming dynamic sampling stops a generation batch this way as
+soon as it holds enough informative groups.
+
 Seeds: when `SamplingParams.seed` is set, sample j of prompt `pid` uses
 `derive_sample_seed(seed, pid, j)`, a stable hash that does not depend on batching or on the order
 of the prompts, so every engine draws the same per-sample seeds for the same inputs.
@@ -24,7 +31,7 @@ import abc
 import hashlib
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +198,10 @@ def check_generate_output(
             )
 
 
+GroupsDone = Callable[[list[list["Sample"]]], bool]
+"""on_groups_done(groups) -> stop: groups that just completed, each its n Samples in sample order."""
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from an inference engine.
 
@@ -211,6 +222,20 @@ class RolloutEngine(abc.ABC):
         """`generate`, as the tensor record the trainer consumes (engines driven from one rank ship it
         to the others as tensors instead of Python samples)."""
         return samples_to_batch(self.generate(prompts, sampling), pad_id=pad_id, max_response_length=max_response_length)
+
+    supports_streaming: bool = False
+    """Whether `generate_streaming` is implemented (algorithm.filter_groups.streaming needs it)."""
+
+    def generate_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *,
+                           on_groups_done: GroupsDone) -> list[Sample]:
+        """`generate` that reports completed groups and stops when told (module docstring, Streaming)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support streaming generation")
+
+    def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
+                                 max_response_length: int, on_groups_done: GroupsDone) -> RolloutBatch:
+        """`generate_streaming`, as the tensor record (see `generate_batch`)."""
+        return samples_to_batch(self.generate_streaming(prompts, sampling, on_groups_done=on_groups_done),
+                                pad_id=pad_id, max_response_length=max_response_length)
 
     @abc.abstractmethod
     def update_weights(

@@ -21,6 +21,12 @@ How a call runs:
    benchmark's baseline).
 3. Rows that finished keep being fed `pad_token_id` until their batch is done (their outputs are
    ignored); a batch stops as soon as every row has finished.
+4. Streaming (`generate_streaming`): after each decode step the groups whose last row just finished
+   (a group's rows are adjacent in the length order, but may span two batches) go to
+   `on_groups_done`; once it says stop, the batch breaks off, its unfinished rows and every row of the
+   batches not run yet come back "abort". With `decision_group` (the ranks that run this engine in
+   lockstep, SPMD data parallelism) the callback runs on that group's rank 0 only and its answer is
+   broadcast, so every rank stops at the same step; without it, any TP rank's stop stops all.
 
 Sampling (the pure function `sample_next_tokens`): logits in fp32 divided by the temperature, then
 top-k, then top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
@@ -60,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +75,7 @@ from torch import Tensor
 
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.rollout.base import (
+    GroupsDone,
     PromptInput,
     RolloutEngine,
     RolloutEngineError,
@@ -156,11 +163,15 @@ class LocalEngine(RolloutEngine):
     pgs: parallel.ParallelGroups (pgs.tp, pgs.device). eos_token_id: ends a response
     (None: only SamplingParams.stop_token_ids do, e.g. for benchmarks). pad_token_id: fed to rows
     that finished. max_batch_size: rows per forward. use_kv_cache: False re-runs the whole
-    sequence every step (the reference path).
+    sequence every step (the reference path). decision_group: the ranks that run this engine in lockstep
+    (pgs.ctrl under SPMD data parallelism): a streaming stop is decided on its rank 0 and broadcast.
     """
 
+    supports_streaming = True
+
     def __init__(self, model, *, pgs, eos_token_id: int | None, pad_token_id: int,
-                 max_batch_size: int = 64, use_kv_cache: bool = True, policy_version: int = 0):
+                 max_batch_size: int = 64, use_kv_cache: bool = True, policy_version: int = 0,
+                 decision_group=None):
         if isinstance(model, (list, tuple)):
             raise TypeError("LocalEngine takes one model, not a list of model chunks "
                             "(virtual pipeline stages are not supported by the local engine)")
@@ -185,6 +196,7 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"LocalEngine use_kv_cache must be a bool, got {use_kv_cache!r}")
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.max_batch_size, self.use_kv_cache = max_batch_size, use_kv_cache
+        self.decision_group = decision_group
         self.device = torch.device(pgs.device)
         self._policy_version = policy_version
         self._lock = threading.Lock()  # one generation (or weight update) at a time on the model
@@ -200,6 +212,15 @@ class LocalEngine(RolloutEngine):
         return self._policy_version
 
     def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        return self._generate(prompts, sampling, None)
+
+    def generate_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *,
+                           on_groups_done: GroupsDone) -> list[Sample]:
+        """`generate` that stops once `on_groups_done` says so (module docstring, step 4)."""
+        return self._generate(prompts, sampling, on_groups_done)
+
+    def _generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams,
+                  on_groups_done: GroupsDone | None) -> list[Sample]:
         check_generate_inputs(prompts, sampling)
         if self._closed:
             raise RolloutEngineError("LocalEngine is closed")
@@ -211,20 +232,63 @@ class LocalEngine(RolloutEngine):
         rows = [(p, j) for p in prompts for j in range(sampling.n)]
         stop_ids = set(sampling.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
         out: list[Sample | None] = [None] * len(rows)
+        left = [sampling.n] * len(prompts)  # unfinished rows per group
+        stopped = False
         with self._lock, self._generation_mode():
             self._generating = True
             try:
                 version = self._policy_version
+
+                def sample(r: int, tokens: list, log_probs: list, reason: str) -> Sample:
+                    p, j = rows[r]
+                    return Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
+                                  response_token_ids=tokens, rollout_log_probs=log_probs, finish_reason=reason,
+                                  policy_version=version)
+
                 for batch in self._batches(rows, sampling.max_new_tokens):
-                    results = self._generate_batch([rows[r] for r in batch], sampling, stop_ids, aborted)
+                    if stopped:
+                        for r in batch:
+                            out[r] = sample(r, [], [], "abort")
+                        continue
+                    on_done = None
+                    if on_groups_done is not None:
+                        def on_done(finished, batch=batch):  # (row in batch, tokens, log-probs, reason)
+                            complete = []
+                            for i, tokens, log_probs, reason in finished:
+                                r = batch[i]
+                                out[r] = sample(r, tokens, log_probs, reason)
+                                g = r // sampling.n
+                                left[g] -= 1
+                                if left[g] == 0:
+                                    complete.append(out[g * sampling.n:(g + 1) * sampling.n])
+                            return bool(complete) and self._decide(on_groups_done, complete)
+                    results, stopped = self._generate_batch([rows[r] for r in batch], sampling, stop_ids, aborted,
+                                                            on_done)
                     for r, (tokens, log_probs, reason) in zip(batch, results, strict=True):
-                        p, j = rows[r]
-                        out[r] = Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
-                                        response_token_ids=tokens, rollout_log_probs=log_probs,
-                                        finish_reason=reason, policy_version=version)
+                        if out[r] is None:
+                            out[r] = sample(r, tokens, log_probs, reason)
             finally:
                 self._generating = False
         return out  # type: ignore[return-value]  # every row was filled above
+
+    def _decide(self, on_groups_done: GroupsDone, groups: list[list[Sample]]) -> bool:
+        """The stop decision, the same on every rank (module docstring, step 4). An error in the callback
+        on the deciding rank reaches the others as a RolloutEngineError instead of leaving them waiting."""
+        g = self.decision_group
+        if g is None or dist.get_world_size(g) == 1:
+            return self._agree(bool(on_groups_done(groups)))
+        flag, error = torch.zeros(1, dtype=torch.int64), None
+        if dist.get_rank(g) == 0:
+            try:
+                flag[0] = int(bool(on_groups_done(groups)))
+            except Exception as e:  # noqa: BLE001 - re-raised here after the others heard of it
+                flag[0], error = 2, e
+        dist.broadcast(flag, src=dist.get_global_rank(g, 0), group=g)
+        if error is not None:
+            raise error
+        if int(flag[0]) == 2:
+            raise RolloutEngineError("the streaming stop callback failed on the deciding rank")
+        return bool(flag[0])
 
     def _check_prompt(self, p: PromptInput, max_new_tokens: int) -> None:
         bad = [t for t in p.token_ids if t >= self.vocab_size]
@@ -252,8 +316,13 @@ class LocalEngine(RolloutEngine):
         return batches
 
     def _generate_batch(self, rows: list[tuple[PromptInput, int]], sampling: SamplingParams,
-                        stop_ids: set[int], aborted: threading.Event) -> list[tuple[list, list, str]]:
-        """Sample one batch of rows; returns (tokens, log_probs, reason) per row.
+                        stop_ids: set[int], aborted: threading.Event,
+                        on_done: Callable[[list[tuple[int, list, list, str]]], bool] | None = None,
+                        ) -> tuple[list[tuple[list, list, str]], bool]:
+        """Sample one batch of rows; returns ((tokens, log_probs, reason) per row, whether on_done stopped it).
+
+        on_done(finished): after each step, the rows that finished in it as (row, tokens, log_probs,
+        reason); True stops the batch, its unfinished rows are "abort".
 
         Prompts of different lengths share the batch without padding (module docstring, step 1):
         the prefill covers the shortest prompt (Pmin); at position `pos` a row whose prompt is
@@ -262,7 +331,7 @@ class LocalEngine(RolloutEngine):
         """
         b, max_new = len(rows), sampling.max_new_tokens
         if self._agree(aborted.is_set()):
-            return [([], [], "abort")] * b
+            return [([], [], "abort")] * b, False
         dev = self.device
         lengths = torch.tensor([len(p.token_ids) for p, _ in rows], device=dev)  # P_i [b]
         p_min, p_max = int(lengths.min()), int(lengths.max())
@@ -284,7 +353,7 @@ class LocalEngine(RolloutEngine):
         step = (_CachedStepper(self, prompt[:, :p_min], p_max - p_min + max_new) if self.use_kv_cache
                 else _FullStepper(self, prompt[:, :p_min]))
         logits = step.prefill()  # [b, V]: the next token after position p_min - 1
-        was_aborted = False
+        was_aborted = cut = False
         for pos in range(p_min, p_max + max_new):
             t = pos - lengths                       # [b] index of the token sampled at pos (< 0: prompt)
             sampling_rows = ((t >= 0) & ~done).nonzero().squeeze(-1)
@@ -302,17 +371,22 @@ class LocalEngine(RolloutEngine):
             hit = torch.zeros(b, dtype=torch.bool, device=dev)
             hit[sampling_rows] = torch.isin(tok, stop)
             stopped |= hit
-            done |= hit | (length == max_new)
-            if was_aborted or bool(done.all()):
+            newly = ~done & (hit | (length == max_new))
+            done |= newly
+            if on_done is not None and bool(newly.any()):
+                lens = length.tolist()
+                cut = on_done([(i, tokens[i, :lens[i]].tolist(), log_probs[i, :lens[i]].tolist(),
+                                "stop" if bool(stopped[i]) else "length") for i in newly.nonzero().squeeze(-1).tolist()])
+            if was_aborted or cut or bool(done.all()):
                 break
             fed = prompt[:, min(pos, p_max - 1)].clone()  # rows still inside their prompt
             fed[t >= 0] = self.pad_token_id                 # finished rows are fed padding
             fed[sampling_rows] = tok
             logits = step.decode(fed)
-        reasons = ["stop" if s else ("abort" if was_aborted and n < max_new else "length")
+        reasons = ["stop" if s else ("abort" if (was_aborted or cut) and n < max_new else "length")
                    for s, n in zip(stopped.tolist(), length.tolist())]
         tokens_l, lps_l = tokens.tolist(), log_probs.tolist()
-        return [(tokens_l[i][:n], lps_l[i][:n], reasons[i]) for i, n in enumerate(length.tolist())]
+        return [(tokens_l[i][:n], lps_l[i][:n], reasons[i]) for i, n in enumerate(length.tolist())], cut
 
     # ------------------------------------------------------------------- tensor-parallel agreement
 

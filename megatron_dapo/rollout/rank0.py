@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_dapo.rollout.base import (
     FINISH_REASONS,
+    GroupsDone,
     PromptInput,
     RolloutBatch,
     RolloutEngine,
@@ -165,12 +166,31 @@ class RankZeroEngine(RolloutEngine):
 
     def generate_batch(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
                        max_response_length: int) -> RolloutBatch:
+        return self._batch_from_rank0(
+            lambda: self.engine.generate_batch(prompts, sampling, pad_id=pad_id, max_response_length=max_response_length),
+            prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+
+    def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
+                                 max_response_length: int, on_groups_done: GroupsDone) -> RolloutBatch:
+        """The driven engine's streaming call; `on_groups_done` runs on rank 0 only (the stop is decided
+        once), the other ranks receive the batch it produced."""
+        return self._batch_from_rank0(
+            lambda: self.engine.generate_batch_streaming(prompts, sampling, pad_id=pad_id,
+                                                         max_response_length=max_response_length,
+                                                         on_groups_done=on_groups_done),
+            prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+
+    @property
+    def supports_streaming(self) -> bool:  # known on rank 0 only; the config check is per rollout.engine
+        return self.engine is not None and self.engine.supports_streaming
+
+    def _batch_from_rank0(self, call, prompts, sampling: SamplingParams, *, pad_id: int,
+                          max_response_length: int) -> RolloutBatch:
         check_generate_inputs(prompts, sampling)
         batch, error = None, None
         if self.rank == 0:
             try:
-                batch = self.engine.generate_batch(prompts, sampling, pad_id=pad_id,
-                                                   max_response_length=max_response_length)
+                batch = call()
             except Exception as e:  # noqa: BLE001 - every rank raises the same DriverError
                 if self.world_size == 1:
                     raise

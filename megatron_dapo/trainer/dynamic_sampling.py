@@ -9,17 +9,30 @@ mini-batches).
 
 The buffer of kept groups is part of the trainer state: `state_dict()` holds it, so a run that
 stops between two generation batches of a step resumes without generating them again.
+
+Streaming (`filter_groups.streaming`): `StopWhenFull` is the engine's `on_groups_done` callback. It
+scores each group when its last sample ends and tells the engine to stop once the groups the step
+still needs are complete and informative; `finished_groups` then separates the complete groups from
+the cut ones (any aborted sample), whose prompts the trainer gives back to the sampler. Which groups
+the step trains on is decided as without streaming, by `add` on every rank from the collective
+scoring of the complete groups: the callback only decides when generation stops (on one rank).
+
+Per step the buffer also counts what generation cost: every response token generated (cut, dropped
+and aborted ones included) against the response tokens trained on, the groups cut, and the mean
+response length of the trained rows against that of every finished row (cutting the tail of a
+batch favours short answers: README, "Streaming dynamic sampling").
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_dapo.algos.dynamic_sampling import select_informative_groups
-from megatron_dapo.rollout.base import RolloutBatch
+from megatron_dapo.rollout.base import RolloutBatch, Sample
 from megatron_dapo.trainer.batch import ScoredBatch, concat_scored, select_rows
 
 
@@ -40,10 +53,34 @@ class GroupBuffer:
         self.num_gen_batches = 0
         self.num_prompts = 0
         self.dropped_groups = 0
+        self._reset_costs()
 
-    def add(self, batch: ScoredBatch) -> None:
-        """Keep the informative groups of one scored generation batch."""
+    def _reset_costs(self) -> None:
+        self.generated_tokens = 0  # every response token of the step's generation batches
+        self.cut_groups = 0
+        self.finished_rows = 0  # non-aborted rows scored, and their summed response length
+        self.finished_tokens = 0
+
+    @property
+    def needed(self) -> int:
+        """Groups still missing for the step (what a streaming generation batch waits for)."""
+        return max(self.train_batch_size - self.num_prompts, 0)
+
+    def add(self, batch: ScoredBatch | None, *, generated_tokens: int | None = None, cut_groups: int = 0) -> None:
+        """Keep the informative groups of one scored generation batch.
+
+        batch: the scored rows (None when streaming cut every group). generated_tokens: the response
+        tokens the engine produced for the whole generation batch (default: those of `batch`);
+        cut_groups: groups of it that streaming cut (their rows are not in `batch`)."""
         self.num_gen_batches += 1
+        self.cut_groups += cut_groups
+        if batch is None:
+            self.generated_tokens += generated_tokens or 0
+            return
+        lengths, live_t = batch.rollout.response_length, ~batch.rollout.aborted
+        self.generated_tokens += int(lengths.sum()) if generated_tokens is None else generated_tokens
+        self.finished_rows += int(live_t.sum())
+        self.finished_tokens += int(lengths[live_t].sum())
         if not self.enable:
             self._kept.append(batch)
             self.num_prompts += len(batch) // self.n
@@ -93,22 +130,65 @@ class GroupBuffer:
             rows = min(len(merged), target * self.n) if self.enable else len(merged)
             batch = merged if rows == len(merged) else select_rows(merged, range(rows))
         metrics["train/num_train_prompts"] = float(len(batch) // self.n if batch is not None else 0)
+        metrics["train/num_cut_groups"] = float(self.cut_groups)
+        if self.finished_rows:
+            metrics["train/finished_response_length_mean"] = self.finished_tokens / self.finished_rows
+        if batch is not None:
+            live = ~batch.rollout.aborted
+            trained = int(batch.rollout.response_length[live].sum())
+            if int(live.sum()):
+                metrics["train/kept_response_length_mean"] = trained / int(live.sum())
+            if trained:
+                metrics["train/gen_tokens_per_trained_token"] = self.generated_tokens / trained
         self.reset()
         return batch, metrics
 
     def reset(self) -> None:
         self._kept, self.num_gen_batches, self.num_prompts, self.dropped_groups = [], 0, 0, 0
+        self._reset_costs()
 
     # -- checkpointing: only tensors, lists, dicts and numbers (loadable with weights_only=True) --
     def state_dict(self) -> dict[str, Any]:
         return {"num_gen_batches": self.num_gen_batches, "num_prompts": self.num_prompts,
-                "dropped_groups": self.dropped_groups, "kept": [_scored_to_dict(b) for b in self._kept]}
+                "dropped_groups": self.dropped_groups, "kept": [_scored_to_dict(b) for b in self._kept],
+                "costs": [self.generated_tokens, self.cut_groups, self.finished_rows, self.finished_tokens]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_gen_batches = int(state["num_gen_batches"])
         self.num_prompts = int(state["num_prompts"])
         self.dropped_groups = int(state["dropped_groups"])
         self._kept = [_scored_from_dict(d) for d in state["kept"]]
+        # absent in in-flight files written before the costs were counted
+        self.generated_tokens, self.cut_groups, self.finished_rows, self.finished_tokens = (
+            int(x) for x in state.get("costs", [0, 0, 0, 0]))
+
+
+class StopWhenFull:
+    """The streaming stop callback (`RolloutEngine.generate_streaming`): True once `need` informative groups
+    are complete. score_groups(groups) -> ScoredBatch scores complete groups (on the calling rank only).
+
+    Groups wait unscored while even all of them together could not meet the need: the answer is the same,
+    with fewer reward calls (the first ones of a generation batch cannot stop it)."""
+
+    def __init__(self, *, need: int, metric: str, score_groups: Callable[[list[list[Sample]]], ScoredBatch]):
+        self.need, self.metric, self.score_groups = need, metric, score_groups
+        self.informative = 0
+        self.pending: list[list[Sample]] = []
+
+    def __call__(self, groups: list[list[Sample]]) -> bool:
+        self.pending += groups
+        if self.informative + len(self.pending) < self.need:
+            return False
+        scored, self.pending = self.score_groups(self.pending), []
+        self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
+        return self.informative >= self.need
+
+
+def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]]:
+    """(complete, cut): the positions of the groups (prompt-major, n rows each) whose rows all finished, and
+    of those with an aborted row."""
+    aborted = rollout.aborted.view(-1, n).any(dim=1).tolist()
+    return [g for g, a in enumerate(aborted) if not a], [g for g, a in enumerate(aborted) if a]
 
 
 def _scored_to_dict(b: ScoredBatch) -> dict[str, Any]:

@@ -7,6 +7,9 @@
 Data parallelism is SPMD: every rank generates and scores the same batch (the local engine is
 deterministic under per-sample seeds), and the actor splits rows over DP ranks. Only rank 0
 writes logs, dumps and the trainer state.
+
+With algorithm.filter_groups.streaming a generation batch stops as soon as the step's informative groups
+are complete; the cut groups' prompts go back to the sampler's front (trainer/dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from megatron_dapo.metrics import (
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer import faults, stages
-from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
+from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
 from megatron_dapo.trainer.validate import validate
+from megatron_dapo.workers.batch import select_record
 
 if TYPE_CHECKING:  # annotations only: importing these here would load Megatron for every trainer import
     from megatron_dapo.data.dataset import PromptDataset
@@ -146,23 +150,50 @@ class DAPOTrainer:
             seed=cfg.trainer.seed * 1_000_003 + step * 1009 + k)
         while True:
             k = self.buffer.num_gen_batches
-            records = [p.train_data[i] for i in p.sampler.next_batch()]
+            drawn = p.sampler.next_batch()
+            records = [p.train_data[i] for i in drawn]
+            stop = self._stop_when_full(records, f"{step}.{k}") if cfg.algorithm.filter_groups.streaming else None
             with timer("gen"):
                 rollout = stages.generate(p.engine, records, sampling(k), group_suffix=f"{step}.{k}",
                                           pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length,
-                                          expect_policy_version=self.global_step)
+                                          expect_policy_version=self.global_step, on_groups_done=stop)
             faults.maybe_crash("generation", step)
-            with timer("reward"):
-                scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
-                                      reward_manager=p.reward_manager, group=p.pgs.ctrl)
+            generated, cut = int(rollout.response_length.sum()), 0
+            if stop is not None:  # cut groups leave the batch; their prompts go back to the sampler
+                rollout, records, cut = self._keep_finished(rollout, records, drawn)
+            scored = None
+            if records:
+                with timer("reward"):
+                    scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
+                                          reward_manager=p.reward_manager, group=p.pgs.ctrl)
             faults.maybe_crash("after_reward", step)
-            self.buffer.add(scored)
+            self.buffer.add(scored, generated_tokens=generated, cut_groups=cut)
             if self.buffer.ready() or not self.buffer.check_budget():
                 break
             self._save_inflight(step)  # a crash from here on resumes without regenerating these groups
         batch, metrics = self.buffer.take()
         ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
         return batch, metrics
+
+    def _stop_when_full(self, records, group_suffix: str) -> StopWhenFull:
+        """The streaming stop of one generation batch: complete once the groups the step still needs are in."""
+        cfg, p = self.cfg, self.p
+        return StopWhenFull(need=self.buffer.needed, metric=cfg.algorithm.filter_groups.metric,
+                            score_groups=stages.group_scorer(
+                                records, group_suffix=group_suffix, n=cfg.rollout.n, tokenizer=p.tokenizer,
+                                reward_manager=p.reward_manager, pad_id=p.tokenizer.pad_id,
+                                max_response_length=cfg.data.max_response_length))
+
+    def _keep_finished(self, rollout, records, drawn: list[int]):
+        """The complete groups' rows and records, and how many were cut; the cut prompts go back to the front
+        of the sampler (in their order), so they are drawn next and neither lost nor trained twice."""
+        n = self.cfg.rollout.n
+        complete, cut = finished_groups(rollout, n)
+        self.p.sampler.push_front([drawn[g] for g in cut])
+        if cut:
+            rows = [g * n + j for g in complete for j in range(n)]
+            rollout, records = select_record(rollout, rows), [records[g] for g in complete]
+        return rollout, records, len(cut)
 
     # -- old_log_prob, ref, adv, update --------------------------------------------------------------
     def _train_on(self, batch, step: int, timer) -> dict[str, float]:

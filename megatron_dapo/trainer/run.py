@@ -38,8 +38,10 @@ def _engine(cfg: Config, actor, pgs, tokenizer):
 
         if len(actor.policy.chunks) > 1:
             raise ValueError("rollout.engine=local needs parallel.virtual_pipeline_model_parallel_size=null")
+        # Every rank generates the same batch (SPMD): a streaming stop is decided on rank 0 for all.
         return LocalEngine(unwrap_model(actor.policy.chunks[0]), pgs=pgs, eos_token_id=tokenizer.eos_id,
-                           pad_token_id=tokenizer.pad_id, max_batch_size=cfg.rollout.max_num_seqs)
+                           pad_token_id=tokenizer.pad_id, max_batch_size=cfg.rollout.max_num_seqs,
+                           decision_group=pgs.ctrl if pgs.world_size > 1 else None)
     _drafter(cfg, vocab_size=tokenizer.vocab_size)  # what no release can draft fails before any server starts
     return _sglang_engine(cfg, pgs)
 

@@ -16,7 +16,13 @@ from megatron_dapo.algos.kl import kl_penalty
 from megatron_dapo.algos.overlong import overlong_filter_mask
 from megatron_dapo.algos.rollout_correction import compute_rollout_correction
 from megatron_dapo.data.dataset import PromptRecord
-from megatron_dapo.rollout.base import PromptInput, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import (
+    GroupsDone,
+    PromptInput,
+    RolloutEngine,
+    SamplingParams,
+    samples_to_batch,
+)
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
 from megatron_dapo.workers.batch import PolicyBatch
 
@@ -29,15 +35,26 @@ class PolicyVersionError(RuntimeError):
     """A rollout row was generated with other weights than the trainer synced last."""
 
 
+def group_id(record: PromptRecord, group_suffix: str) -> str:
+    """The GRPO group id of a prompt in one generation batch."""
+    return f"{record.uid}@{group_suffix}"
+
+
 def generate(engine: RolloutEngine, records: Sequence[PromptRecord], sampling: SamplingParams, *,
-             group_suffix: str, pad_id: int, max_response_length: int, expect_policy_version: int | None = None):
+             group_suffix: str, pad_id: int, max_response_length: int, expect_policy_version: int | None = None,
+             on_groups_done: GroupsDone | None = None):
     """Sample `sampling.n` responses per prompt. The GRPO group id is the prompt uid plus a suffix
     unique to this generation batch, so a prompt drawn twice in one step forms two groups.
 
     expect_policy_version: the version of the weights last synced to the engine; a row generated
-    with any other version raises PolicyVersionError naming it (the servers missed a sync)."""
-    prompts = [PromptInput(prompt_id=f"{r.uid}@{group_suffix}", token_ids=tuple(r.prompt_ids)) for r in records]
-    batch = engine.generate_batch(prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+    with any other version raises PolicyVersionError naming it (the servers missed a sync).
+    on_groups_done: stream (`RolloutEngine.generate_streaming`): the engine stops when it says so."""
+    prompts = [PromptInput(prompt_id=group_id(r, group_suffix), token_ids=tuple(r.prompt_ids)) for r in records]
+    if on_groups_done is None:
+        batch = engine.generate_batch(prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+    else:
+        batch = engine.generate_batch_streaming(prompts, sampling, pad_id=pad_id,
+                                                max_response_length=max_response_length, on_groups_done=on_groups_done)
     if expect_policy_version is not None:
         bad = torch.nonzero(batch.policy_version != expect_policy_version).squeeze(1)
         if len(bad):
@@ -97,6 +114,21 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     extra["uid"] = [r.uid for r in rows]
     return ScoredBatch(rollout=rollout, raw_prompt=[r.raw_prompt for r in rows], response_text=all_texts,
                        ground_truth=[r.ground_truth for r in rows], scores=score_t, rewards=reward_t, extra=extra)
+
+
+def group_scorer(records: Sequence[PromptRecord], *, group_suffix: str, n: int, tokenizer, reward_manager,
+                 pad_id: int, max_response_length: int):
+    """score_groups(groups) -> ScoredBatch for the streaming stop: complete groups (lists of n Samples) of
+    `records`, scored on the calling rank alone."""
+    by_id = {group_id(r, group_suffix): r for r in records}
+
+    def score_groups(groups):
+        rollout = samples_to_batch([s for g in groups for s in g], pad_id=pad_id,
+                                   max_response_length=max_response_length)
+        return score(rollout, [by_id[g[0].prompt_id] for g in groups], n=n, tokenizer=tokenizer,
+                     reward_manager=reward_manager)
+
+    return score_groups
 
 
 def loss_mask(batch: ScoredBatch, *, overlong_filter: bool, max_response_length: int) -> Tensor:

@@ -120,6 +120,19 @@ def test_filter_groups_off_relaxes_its_checks():
     assert e.value.key == "data.gen_batch_size"
 
 
+@pytest.mark.parametrize("override,names", [
+    (["algorithm.filter_groups.enable=false", "data.gen_batch_size=null"], "algorithm.filter_groups.enable=false"),
+    (["rollout.engine=sglang", "model.hf_path=/m"], "rollout.engine=sglang"),
+    (["queue.enable=true"], "queue.enable=true"),
+])
+def test_streaming_is_refused_where_nothing_streams(override, names):
+    """Dynamic sampling off, an engine without generate_streaming, or the queue trainer: a named error."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.filter_groups.streaming=true", *override])
+    assert e.value.key == "algorithm.filter_groups.streaming" and names in str(e.value)
+    assert load_config(None, ["algorithm.filter_groups.streaming=true"]).algorithm.filter_groups.streaming
+
+
 def test_parallel_sizes_that_divide_the_world_are_accepted():
     cfg = load_config(None, ["trainer.n_gpus_per_node=8", "parallel.tensor_model_parallel_size=2",
                              "parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=4",

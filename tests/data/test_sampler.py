@@ -83,7 +83,8 @@ def test_state_from_a_different_sampler_is_rejected_by_field(field, kwargs):
     [
         ({"epoch": -1}, "epoch=-1"),
         ({"index_in_epoch": 9}, "index_in_epoch=9"),
-        ({"index_in_epoch": 1}, "multiple"),
+        ({"index_in_epoch": -1}, "index_in_epoch=-1"),
+        ({"front": [10]}, "front item 10"),
     ],
 )
 def test_inconsistent_position_is_rejected(change, match):
@@ -108,3 +109,29 @@ def test_batch_larger_than_dataset():
 def test_bad_arguments_are_named(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         ResumableSampler(**{"num_items": 4, "batch_size": 2, "seed": 0, **kwargs})
+
+
+def test_pushed_back_items_come_first_and_survive_a_resume_without_loss_or_repeat():
+    """Streaming dynamic sampling gives cut prompts back: every item of an epoch is still yielded exactly once
+    (minus the drop_last remainder), the given-back ones first, and a state dict carries them."""
+    sampler = ResumableSampler(10, 3, seed=7)
+    first = sampler.next_batch()
+    sampler.push_front(first[1:])  # only first[0] was used
+    state = sampler.state_dict()
+    assert state["front"] == first[1:]
+    resumed = ResumableSampler(10, 3, seed=7)
+    resumed.load_state_dict(state)
+    for s in (sampler, resumed):
+        batches = take(s, 3)
+        assert batches[0][:2] == first[1:] and all(len(b) == 3 for b in batches)
+        used = [first[0]] + list(itertools.chain(*batches))
+        epoch0 = ResumableSampler(10, 3, seed=7)._epoch_order(0)[:9]
+        # The 9 items of epoch 0, each once, then the first item of epoch 1 fills the last batch.
+        assert used[:9] == [first[0]] + first[1:] + epoch0[3:9] and sorted(used[:9]) == sorted(epoch0)
+        assert used[9] == ResumableSampler(10, 3, seed=7)._epoch_order(1)[0]
+    assert take(sampler, 2) == take(resumed, 2)
+
+
+def test_push_front_rejects_items_outside_the_dataset():
+    with pytest.raises(ValueError, match="push_front: item 10"):
+        ResumableSampler(10, 3, seed=7).push_front([10])

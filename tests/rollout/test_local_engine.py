@@ -237,6 +237,66 @@ def test_abort_from_another_thread_returns_partial_abort_samples(pgs, actor):
     assert [s.finish_reason for s in after] == ["length"] * 3
 
 
+def test_streaming_reports_each_group_once_when_complete_and_stops_when_told(pgs, actor):
+    """Groups reach the callback when their last sample ends, each once, with the samples plain generate gives
+    (same seeds); after the callback says stop, every group not yet complete comes back "abort" (rows of the
+    batches not run yet empty), and a callback that never stops changes nothing. Batches of 4 rows with n=2
+    over 5 prompts: groups of different lengths run in different batches."""
+    sampling = SamplingParams(max_new_tokens=6, n=2, temperature=1.0, seed=3)
+    eng = engine(bare(actor), pgs, max_batch_size=4)
+    ref = eng.generate(PROMPTS, sampling)
+    seen: list[list] = []
+    never = eng.generate_streaming(PROMPTS, sampling, on_groups_done=lambda groups: seen.extend(groups) and False)
+    assert never == ref
+    assert sorted(g[0].prompt_id for g in seen) == sorted(p.prompt_id for p in PROMPTS)
+    assert all([s.sample_index for s in g] == [0, 1] and len({s.prompt_id for s in g}) == 1 for g in seen)
+    assert all(s.finish_reason in ("stop", "length") for g in seen for s in g)
+
+    first: list[list] = []
+    out = eng.generate_streaming(PROMPTS, sampling, on_groups_done=lambda groups: first.extend(groups) or True)
+    done = {g[0].prompt_id for g in first}
+    assert done and len(done) < len(PROMPTS)
+    ref_by_key, out_by_key = by_key(ref), by_key(out)
+    for key, s in out_by_key.items():
+        if key[0] in done:
+            assert s == ref_by_key[key]
+    for pid in {p.prompt_id for p in PROMPTS} - done:
+        group = [out_by_key[(pid, j)] for j in range(2)]
+        assert any(s.finish_reason == "abort" for s in group), pid
+        for s in group:  # a sample that ended before the stop is the reference one; the others a prefix of it
+            r = ref_by_key[(pid, s.sample_index)]
+            assert s == r if s.finish_reason != "abort" else r.response_token_ids[:len(s.response_token_ids)] == \
+                s.response_token_ids
+    check_generate_output(PROMPTS, sampling, out)
+    # The 5-token prompts sort last into a batch of their own, which never ran.
+    assert [out_by_key[(pid, j)].response_token_ids for pid in "be" for j in range(2)] == [()] * 4
+
+
+def test_a_streaming_callback_error_propagates(pgs, actor):
+    def boom(groups):
+        raise KeyError("reward")
+
+    with pytest.raises(KeyError, match="reward"):
+        engine(bare(actor), pgs).generate_streaming(PROMPTS, SamplingParams(max_new_tokens=4, n=2),
+                                                    on_groups_done=boom)
+
+
+@pytest.mark.slow  # two torchrun processes: about 50 s on the shared 2-core machine
+def test_the_streaming_stop_is_decided_on_rank_0_and_reaches_every_rank(tmp_path):
+    """2 gloo ranks in lockstep (decision_group): both get rank 0's answers, only rank 0 runs the callback, and
+    rank 0's callback error reaches rank 1 as a named error."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29450 + os.getpid() % 150), str(ROOT / "tests/rollout/_mp_stream_decide.py"),
+           str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d0, d1 = ((tmp_path / f"decide{k}.txt").read_text().splitlines() for k in (0, 1))
+    assert d0[:2] == ["[False, True]", "2"] and d1[:2] == ["[False, True]", "0"]
+    assert d0[2] == "KeyError: 'reward down'"
+    assert d1[2] == "RolloutEngineError: the streaming stop callback failed on the deciding rank"
+
+
 def test_update_weights_copies_by_name_and_sets_the_version(pgs, actor):
     from megatron_dapo.models.builder import build_gpt_model
     from megatron_dapo.workers.build import model_arch
