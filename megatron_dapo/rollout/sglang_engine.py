@@ -64,6 +64,7 @@ from megatron_dapo.rollout.sglang_payloads import (  # noqa: F401  (re-exported:
     build_generate_payload,
     parse_generate_output,
     parse_spec_meta,
+    post_control,
     spec_fields,
 )
 from megatron_dapo.rollout.sglang_versions import SELECTORS, UnsupportedSGLangVersion, server_facts
@@ -437,20 +438,8 @@ class SGLangEngine(RolloutEngine):
         return list(zip(self.urls, errors))
 
     def _post_control(self, url: str, path: str, payload: Any, timeout_s: float) -> str | None:
-        """One control request; None on success, else the error text. A JSON `success: false` is a failure."""
-        try:
-            r = requests.post(url + path, json=payload, timeout=(self.connect_timeout_s, timeout_s))
-        except requests.RequestException as e:
-            return f"{type(e).__name__}: {e}"
-        if r.status_code != 200:
-            return f"HTTP {r.status_code}: {r.text[:500]}"
-        try:
-            body = r.json() if r.content else None
-        except ValueError:
-            body = None  # some endpoints answer 200 with an empty or non-JSON body
-        if isinstance(body, dict) and body.get("success") is False:
-            return f"success=false: {body.get('message', '')}"
-        return None
+        """One control request; None on success, else the error text (sglang_payloads.post_control)."""
+        return post_control(url, path, payload, timeout_s=timeout_s, connect_timeout_s=self.connect_timeout_s)
 
     # ----------------------------------------------------------------------------- weights
 

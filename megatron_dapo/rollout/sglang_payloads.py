@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import requests
+
 from megatron_dapo.rollout.base import (
     FINISH_REASONS,
     PromptInput,
@@ -166,3 +168,22 @@ def parse_generate_output(
     version = int(wv) if isinstance(wv, str) and wv.isdigit() else None
     return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec),
                         weight_version=version)
+
+
+def post_control(url: str, path: str, payload: Any, *, timeout_s: float, connect_timeout_s: float = 10.0) -> str | None:
+    """POST one control request (weights, memory, sessions); None on success, else the error text. An HTTP
+    status other than 200 or a JSON `success: false` is a failure; a 200 with an empty or non-JSON body
+    (some endpoints answer so) is a success."""
+    try:
+        r = requests.post(url + path, json=payload, timeout=(connect_timeout_s, timeout_s))
+    except requests.RequestException as e:
+        return f"{type(e).__name__}: {e}"
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:500]}"
+    try:
+        body = r.json() if r.content else None
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("success") is False:
+        return f"success=false: {body.get('message', '')}"
+    return None

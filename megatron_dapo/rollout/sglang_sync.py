@@ -37,15 +37,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
-import requests
 import torch
 import torch.distributed as dist
 
@@ -53,6 +53,7 @@ from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.models.hf import iter_stage_hf_groups
 from megatron_dapo.models.weights import is_stage_sender
 from megatron_dapo.rollout import sglang_weights as sw
+from megatron_dapo.rollout.sglang_payloads import post_control
 
 log = logging.getLogger(__name__)
 
@@ -102,23 +103,8 @@ class SyncStats:
 def post_all(urls: Sequence[str], path: str, bodies: Sequence[Any], *, timeout_s: float) -> None:
     """POST bodies[i] to urls[i] concurrently; raise WeightSyncError naming every server that failed
     (an HTTP status other than 200, or a JSON `success: false`)."""
-    def one(url: str, body: Any) -> str | None:
-        try:
-            r = requests.post(url + path, json=body, timeout=(10.0, timeout_s))
-        except requests.RequestException as e:
-            return f"{type(e).__name__}: {e}"
-        if r.status_code != 200:
-            return f"HTTP {r.status_code}: {r.text[:500]}"
-        try:
-            reply = r.json() if r.content else None
-        except ValueError:
-            reply = None
-        if isinstance(reply, dict) and reply.get("success") is False:
-            return f"success=false: {reply.get('message', '')}"
-        return None
-
     with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
-        errors = list(pool.map(one, urls, bodies))
+        errors = list(pool.map(lambda u, b: post_control(u, path, b, timeout_s=timeout_s), urls, bodies))
     failed = [f"{u}{path}: {e}" for u, e in zip(urls, errors, strict=True) if e is not None]
     if failed:
         raise WeightSyncError("; ".join(failed))
@@ -147,14 +133,12 @@ def _open_group(servers: ServerSet, *, host: str, group_name: str, backend: str,
     bodies = [sw.init_weights_update_group_payload(master_address=host, master_port=store.port, rank_offset=off,
                                                    world_size=world_size, group_name=group_name, backend=backend)
               for off in offsets]
-    pool = ThreadPoolExecutor(max_workers=2)
-    posting = pool.submit(post_all, servers.urls, "/init_weights_update_group", bodies, timeout_s=timeout_s)
-    joining = pool.submit(c10d._new_process_group_helper, world_size, 0, [], c10d.Backend(backend),
-                          c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
+    posting = _in_daemon_thread(post_all, servers.urls, "/init_weights_update_group", bodies, timeout_s=timeout_s)
+    joining = _in_daemon_thread(c10d._new_process_group_helper, world_size, 0, [], c10d.Backend(backend),
+                                c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
     deadline, replied_at = time.monotonic() + timeout_s, None
     while not joining.done():
         if posting.done() and posting.exception() is not None:
-            pool.shutdown(wait=False, cancel_futures=True)  # the join thread stays blocked: this run is over
             raise WeightSyncError(f"weight-update group {group_name!r} at {host}:{store.port}: "
                                   f"{posting.exception()}") from posting.exception()
         if posting.done() and replied_at is None:
@@ -162,7 +146,6 @@ def _open_group(servers: ServerSet, *, host: str, group_name: str, backend: str,
         # SGLang answers /init_weights_update_group once its ranks have joined: a reply without a join
         # means the servers use another group, address or port.
         if replied_at is not None and time.monotonic() - replied_at > JOIN_AFTER_REPLY_S:
-            pool.shutdown(wait=False, cancel_futures=True)
             raise WeightSyncError(f"weight-update group {group_name!r} at {host}:{store.port}: every server replied "
                                   f"to /init_weights_update_group but they did not join within "
                                   f"{JOIN_AFTER_REPLY_S:g} s")
@@ -172,8 +155,23 @@ def _open_group(servers: ServerSet, *, host: str, group_name: str, backend: str,
         time.sleep(0.01)
     pg, _ = joining.result()
     posting.result()
-    pool.shutdown()
     return pg, store
+
+
+def _in_daemon_thread(fn: Callable, *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) in a daemon thread. After a failed join the group's thread stays blocked until
+    the store's timeout; a daemon thread lets the process exit with its WeightSyncError at once (a
+    ThreadPoolExecutor's workers are joined at interpreter exit, which held it for that timeout)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"weight-sync-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 class SGLangWeightSync:

@@ -2,6 +2,7 @@
 against the SGLang stand-in (its own process, 0.5.23's protocol, TP receiver ranks)."""
 
 import base64
+import os
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -12,6 +13,8 @@ from megatron_dapo.rollout import sglang_weights as sw
 from megatron_dapo.rollout.base import RolloutEngineError
 from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
 from tests.standin import StandinServer, expected_checksums
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _named():
@@ -155,15 +158,15 @@ def test_a_server_rejecting_an_update_raises_naming_it(tmp_path, file_system_sha
         assert eng.policy_version == 1 and s.checksums() == [expected_checksums(_named()[:1])]
 
 
-def test_servers_that_answer_but_never_join_fail_the_group_fast(tmp_path, monkeypatch):
+def test_servers_that_answer_but_never_join_fail_the_group_fast_and_the_sender_exits(tmp_path):
     """A server answering /init_weights_update_group with 200 without joining (another address, port or
     group) fails the set-up after JOIN_AFTER_REPLY_S with the group and address named, not after the
-    600 s timeout. The server is its own process (a plain HTTP responder)."""
+    600 s timeout, and the sender's process exits right after. Both sides are processes of their own (the
+    server a plain HTTP responder)."""
     import subprocess
     import sys
     import time
 
-    from megatron_dapo.rollout import sglang_sync
     from tests.standin import free_port
 
     port = free_port()
@@ -187,11 +190,22 @@ def test_servers_that_answer_but_never_join_fail_the_group_fast(tmp_path, monkey
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "the responder did not start"
                 time.sleep(0.1)
-        monkeypatch.setattr(sglang_sync, "JOIN_AFTER_REPLY_S", 1.0)
-        servers = sglang_sync.ServerSet(urls=(f"http://127.0.0.1:{port}",), tp_sizes=(1,))
+        # The sender in a process of its own: the error comes fast, and the process then exits at once
+        # (the join thread, still blocked on the store, must not hold the interpreter's exit).
+        sender = ("import sys\n"
+                  "from megatron_dapo.rollout import sglang_sync as s\n"
+                  "s.JOIN_AFTER_REPLY_S = 1.0\n"
+                  f"servers = s.ServerSet(urls=('http://127.0.0.1:{port}',), tp_sizes=(1,))\n"
+                  "try:\n"
+                  "    s._open_group(servers, host='127.0.0.1', group_name='g_never', backend='gloo', timeout_s=600)\n"
+                  "except s.WeightSyncError as e:\n"
+                  "    print('WeightSyncError:', e, flush=True)\n"
+                  "    sys.exit(3)\n")
         start = time.monotonic()
-        with pytest.raises(sglang_sync.WeightSyncError, match="replied to /init_weights_update_group but they did not join"):
-            sglang_sync._open_group(servers, host="127.0.0.1", group_name="g_never", backend="gloo", timeout_s=600)
+        r = subprocess.run([sys.executable, "-c", sender], capture_output=True, text=True, timeout=400,
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert r.returncode == 3, r.stdout + r.stderr[-3000:]
+        assert "replied to /init_weights_update_group but they did not join" in r.stdout and "g_never" in r.stdout
         assert time.monotonic() - start < 300  # far below the 600 s timeout (no tighter bound: slow CI machines)
     finally:
         proc.kill()
