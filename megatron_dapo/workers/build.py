@@ -29,7 +29,12 @@ def _config_overrides(cfg: Config, arch: ModelArch, pgs) -> dict:
     if cfg.actor.router_replay:
         out["moe_enable_routing_replay"] = True
     if cfg.parallel.pipeline_model_parallel_size > 1:
-        out["variable_seq_lengths"] = True  # p2p shapes differ per micro-batch (token-budget packing)
+        # p2p shapes differ per micro-batch (token-budget packing), except with virtual stages: there every
+        # micro-batch of a pass has one shape (policy.py, pad_microbatch) and the schedule sends that fixed
+        # [seq_length, micro_batch_size] shape. Megatron 0.16's shape exchange in the interleaved schedule's
+        # send_forward_backward_recv_forward_backward crosses or hangs at PP = 2 (Megatron-LM #5100, #5271:
+        # a 2-rank PP2 x VPP2 run deadlocked in _communicate_shapes), so it stays off there.
+        out["variable_seq_lengths"] = (cfg.parallel.virtual_pipeline_model_parallel_size or 1) == 1
     if cfg.model.recompute != "none":
         out.update(recompute_granularity=cfg.model.recompute,
                    **({"recompute_method": "uniform", "recompute_num_layers": 1} if cfg.model.recompute == "full" else {}))
