@@ -23,14 +23,16 @@ How a call runs:
    ignored); a batch stops as soon as every row has finished.
 
 Sampling (the pure function `sample_next_tokens`): logits in fp32 divided by the temperature, then
-top-k, then top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
+the stop tokens (EOS and stop_token_ids) masked while a row has fewer than
+`SamplingParams.min_new_tokens` response tokens (SGLang's min_new_tokens penalty), then top-k, then
+top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
 With `SamplingParams.seed` set, row (prompt_id, j) draws from its own generator seeded with
 `derive_sample_seed(seed, prompt_id, j)`, so a sample does not depend on batching or on the order
 of the prompts. Temperature 0 is greedy (argmax, first index on ties).
 
 What `rollout_log_probs` hold: log softmax(logits / temperature)[token] of the UNFILTERED
-tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p). With top_p < 1
-or top_k > 0 that is not the probability the token was actually drawn with (the same convention as
+tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p / stop-token mask).
+With top_p < 1, top_k > 0 or min_new_tokens > 0 that is not the probability the token was actually drawn with (the same convention as
 SGLang and vLLM). Greedy rows (temperature 0) report log softmax(logits)[token], temperature 1.
 
 Parallelism: pipeline parallelism is not supported (ValueError at construction). Under tensor
@@ -110,7 +112,8 @@ def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
 
 def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
                        generators: Sequence[torch.Generator] | None = None,
-                       uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       uniforms: Tensor | None = None, banned_ids: Tensor | None = None,
+                       banned_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One token per row: logits [b, V] -> (tokens [b] int64, log_probs [b] fp32).
 
     temperature 0: argmax, log-prob under softmax(logits). Otherwise a draw from
@@ -118,14 +121,18 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, t
     when given ([b], drawn by the caller), else the next draw of generators[i] for row i, else
     torch's default generator; the log-prob is that of the unfiltered softmax(logits / temperature)
     (module docstring).
+
+    banned_ids [k] int64: tokens that cannot be drawn (argmax included) in the rows where
+    banned_rows [b] bool is set (None: every row), masked before top-k / top-p as SGLang's
+    min_new_tokens penalty does; like those filters the mask leaves the reported log-prob alone.
     """
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = _ban(logits, banned_ids, banned_rows).argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     z = logits / temperature
     log_probs = torch.log_softmax(z, dim=-1)
-    probs = filter_logits(z, top_k=top_k, top_p=top_p).softmax(dim=-1)
+    probs = filter_logits(_ban(z, banned_ids, banned_rows), top_k=top_k, top_p=top_p).softmax(dim=-1)
     b, V = probs.shape
     if uniforms is not None:
         if uniforms.shape != (b,):
@@ -143,6 +150,16 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, t
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     tokens = tokens.clamp(max=V - 1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _ban(z: Tensor, ids: Tensor | None, rows: Tensor | None) -> Tensor:
+    """z [b, V] with z[i, ids] = -inf for the rows i set in rows [b] bool (None: all); z itself when
+    nothing is banned."""
+    if ids is None or not len(ids):
+        return z
+    out = z.clone()
+    out[:, ids] = float("-inf") if rows is None else out[:, ids].masked_fill(rows[:, None], float("-inf"))
+    return out
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -289,9 +306,11 @@ class LocalEngine(RolloutEngine):
             t = pos - lengths                       # [b] index of the token sampled at pos (< 0: prompt)
             sampling_rows = ((t >= 0) & ~done).nonzero().squeeze(-1)
             if len(sampling_rows):
+                early = t[sampling_rows] < sampling.min_new_tokens  # rows that may not stop yet
                 tok, lp = sample_next_tokens(
                     logits[sampling_rows], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                    uniforms=None if uniforms is None else uniforms[sampling_rows, t[sampling_rows]])
+                    uniforms=None if uniforms is None else uniforms[sampling_rows, t[sampling_rows]],
+                    banned_ids=stop if sampling.min_new_tokens and bool(early.any()) else None, banned_rows=early)
             else:
                 tok = lp = torch.zeros(0, device=dev)
             tok, lp, was_aborted = self._sync_step(tok.long(), lp.float(), aborted.is_set())
