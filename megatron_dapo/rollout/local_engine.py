@@ -367,12 +367,17 @@ class LocalEngine(RolloutEngine):
 
     @contextlib.contextmanager
     def _generation_mode(self):
-        """no_grad + eval, sequence parallelism and MTP heads off; everything restored on exit."""
+        """no_grad + eval, sequence parallelism and MTP heads off, the local spec's core attention on
+        SDPA (_SdpaCoreAttention); everything restored on exit."""
         inner, config = self.inner, self.inner.config
         modes = [(m, m.training) for m in self.model.modules()]
         sp_saved = [(m, a, getattr(m, a)) for m in inner.modules() for a in _SP_ATTRS if hasattr(m, a)]
         sp_config, mtp_layers, mtp_process = config.sequence_parallel, config.mtp_num_layers, inner.mtp_process
+        swapped = [(m, m.core_attention) for m in inner.modules()
+                   if _SdpaCoreAttention.can_replace(getattr(m, "core_attention", None))]
         try:
+            for m, core in swapped:
+                m.core_attention = _SdpaCoreAttention(core)
             self.model.eval()
             if sp_config:
                 config.sequence_parallel = False
@@ -382,6 +387,8 @@ class LocalEngine(RolloutEngine):
             with torch.no_grad():
                 yield
         finally:
+            for m, core in swapped:
+                m.core_attention = core
             config.sequence_parallel, config.mtp_num_layers, inner.mtp_process = sp_config, mtp_layers, mtp_process
             for m, a, v in sp_saved:
                 setattr(m, a, v)
@@ -473,6 +480,46 @@ class LocalEngine(RolloutEngine):
     def close(self) -> None:
         self._closed = True
         self.abort()
+
+
+class _SdpaCoreAttention(torch.nn.Module):
+    """Megatron's local DotProductAttention computed by torch's scaled_dot_product_attention, for the
+    generation only (the actor's forward keeps Megatron's module, so training numerics are untouched).
+
+    Why: the local module expands the grouped K/V cache to every head (repeat_interleave, a copy of
+    the whole cache per layer and decode step) and runs baddbmm + masked softmax + bmm; SDPA reads the
+    groups in place (enable_gqa) in one fused call. Only the two shapes the engine produces are
+    handled: a decode step (sq = 1 query against every cached key: nothing to mask) and a forward
+    from position 0 (sq = sk: causal). Any other call goes to the wrapped module. Local spec only
+    (TE's attention is already fused); softmax_type vanilla, no sliding window, dropout off (eval).
+    Shapes: query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn].
+    """
+
+    def __init__(self, core: torch.nn.Module):
+        super().__init__()
+        self.core = core
+        coeff = core.scale_mask_softmax.scale  # apply_query_key_layer_scaling: softmax_scale / coeff
+        self.scale = core.softmax_scale * (coeff if coeff is not None else 1.0)
+
+    @staticmethod
+    def can_replace(core: Any) -> bool:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return (type(core) is DotProductAttention and core.config.softmax_type == "vanilla"
+                and core.scale_mask_softmax.window_size is None)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        sq, sk = query.shape[0], key.shape[0]
+        if attention_bias is not None or packed_seq_params is not None or not (sq == 1 or sq == sk):
+            return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        b, heads, hn = query.shape[1], query.shape[2], query.shape[3]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            is_causal=sq > 1, scale=self.scale, enable_gqa=key.shape[2] != heads)  # [b, np, sq, hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 
 class _CachedStepper:
