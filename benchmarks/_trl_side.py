@@ -11,7 +11,7 @@ the main script:
      "probe": {"ids": [1, 4, 13, ...], "logits": [[...], ...]},   # [S] ids, [S, V] our logits
      "model": {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 4,
                "num_query_groups": 2},                     # checked against init_hf_dir/config.json
-     "train": {"prompts_per_step": 8, "n": 8, "max_new_tokens": 8, "lr": ..., "clip_grad": ...,
+     "train": {"prompts_per_step": 8, "n": 8, "max_new_tokens": 8, "min_new_tokens": 0, "lr": ..., "clip_grad": ...,
                "adam_beta1": ..., "adam_beta2": ..., "adam_eps": ..., "weight_decay": ...,
                "temperature": 1.0, "seed": 42, "warmup_steps": 2, "timed_steps": 8}}
 
@@ -22,6 +22,14 @@ fp32, CPU. Before training it checks its logits on `probe.ids` against the main 
 Tokenizer: a PreTrainedTokenizerFast built in memory from the character vocabulary (one token per
 character, "<bos>" prepended, as the main side's prompts are). Reward: 1.0 when the completion is
 exactly the right integer, else 0.0 (the rule of megatron_dapo.rewards.arithmetic).
+
+Generation: HF generate with TRL's settings; min_new_tokens > 0 goes in through
+GRPOConfig.generation_kwargs (transformers' MinNewTokensLengthLogitsProcessor keeps EOS out before it).
+
+Phases: `time_phases` wraps `_generate` (generation), `_get_per_token_logps_and_entropies` while inside
+`_generate_and_score_completions` (the old-log-prob forward; TRL skips it here) and
+`_generate_and_score_completions` itself; a step's update time is the step time outside the latter
+(the loss forward, backward and the optimizer step).
 
 Timing: a TrainerCallback reads perf_counter (and process CPU time) at on_step_begin and
 on_step_end; generation, reward, advantages, forward/backward and the optimizer step all happen
@@ -90,6 +98,38 @@ def fwd_bwd_seconds(model, tok, rows: list[dict], tr: dict, *, vocab: int) -> fl
     return sorted(times)[len(times) // 2]
 
 
+def time_phases(trainer, timer) -> None:
+    """Wrap three GRPOTrainer methods on this instance so that each step's timer.acc gets the seconds
+    of generation (`_generate`), of the old-log-prob forward (`_get_per_token_logps_and_entropies`
+    called inside `_generate_and_score_completions`; the loss's own forward is outside it) and of
+    the whole generate-and-score stage (`prepare`). The trainer calls them through self, so the
+    instance attributes take effect."""
+    inside = [False]
+
+    def timed(fn, key, *, only_inside=False, marks=False):
+        def wrapper(*a, **kw):
+            if only_inside and not inside[0]:
+                return fn(*a, **kw)
+            if marks:
+                inside[0] = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timer.acc[key] = timer.acc.get(key, 0.0) + time.perf_counter() - t0
+                if marks:
+                    inside[0] = False
+        return wrapper
+
+    for name in ("_generate", "_get_per_token_logps_and_entropies", "_generate_and_score_completions"):
+        if not callable(getattr(trainer, name, None)):
+            raise RuntimeError(f"GRPOTrainer has no method {name} in this TRL release: the phase timers need it")
+    trainer._generate = timed(trainer._generate, "gen")
+    trainer._get_per_token_logps_and_entropies = timed(trainer._get_per_token_logps_and_entropies, "old_log_prob",
+                                                       only_inside=True)
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare", marks=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True, help="JSON file written by bench_vs_trl.py")
@@ -145,7 +185,9 @@ def main() -> None:
         num_generations=tr["n"], per_device_train_batch_size=tr["prompts_per_step"] * tr["n"],
         gradient_accumulation_steps=1, num_iterations=1, max_completion_length=tr["max_new_tokens"],
         temperature=tr["temperature"], top_p=1.0, top_k=0, scale_rewards="group",
-        mask_truncated_completions=False, learning_rate=tr["lr"], lr_scheduler_type="constant",
+        mask_truncated_completions=False, generation_kwargs=({"min_new_tokens": tr["min_new_tokens"]}
+                                                             if tr["min_new_tokens"] else None),
+        learning_rate=tr["lr"], lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=tr["weight_decay"], adam_beta1=tr["adam_beta1"],
         adam_beta2=tr["adam_beta2"], adam_epsilon=tr["adam_eps"], max_grad_norm=tr["clip_grad"],
         max_steps=total_steps, shuffle_dataset=False, use_cpu=True, bf16=False, fp16=False,
@@ -157,10 +199,13 @@ def main() -> None:
             self.seconds: list[float] = []
             self.cpu_seconds: list[float] = []
             self.tokens: list[int] = []
+            self.phases: list[dict[str, float]] = []
+            self.acc: dict[str, float] = {}
             self._t0 = self._c0 = 0.0
             self._seen = 0
 
         def on_step_begin(self, args, state, control, **kw):
+            self.acc = {"gen": 0.0, "old_log_prob": 0.0, "prepare": 0.0}
             self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
@@ -168,10 +213,14 @@ def main() -> None:
             self.cpu_seconds.append(time.process_time() - self._c0)
             self.tokens.append(int(state.num_input_tokens_seen) - self._seen)
             self._seen = int(state.num_input_tokens_seen)
+            a = self.acc  # update: everything outside generate-and-score (loss, backward, optimizer)
+            self.phases.append({"gen": a["gen"], "old_log_prob": a["old_log_prob"],
+                                "update": self.seconds[-1] - a["prepare"]})
 
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=integer_reward, args=gcfg, train_dataset=train,
                           processing_class=tok, callbacks=[timer])
+    time_phases(trainer, timer)
     t0 = time.perf_counter()
     try:
         trainer.train()
@@ -182,6 +231,7 @@ def main() -> None:
         raise RuntimeError(f"expected {total_steps} optimizer steps, TRL ran {len(timer.seconds)}")
     w = tr["warmup_steps"]
     secs, toks = timer.seconds[w:], timer.tokens[w:]
+    phase_seconds = {k: sum(p[k] for p in timer.phases[w:]) for k in ("gen", "old_log_prob", "update")}
     floor = fwd_bwd_seconds(model, tok, rows, tr, vocab=len(spec["vocab"]))
     print(f"TRL {trl.__version__}: {total_steps} steps in {wall:.1f} s; timed steps "
           f"{' '.join(f'{s:.2f}' for s in secs)} s; tokens {toks}")
@@ -190,7 +240,7 @@ def main() -> None:
     print(json.dumps({"seconds": secs, "tokens": toks, "cpu_seconds": timer.cpu_seconds[w:],
                       "probe_logits_max_abs_diff": max_diff, "warmup_seconds": timer.seconds[:w],
                       "wall_s": wall, "params": n_params, "threads": torch.get_num_threads(),
-                      "hf_fwd_bwd_s": floor,
+                      "hf_fwd_bwd_s": floor, "phase_seconds": phase_seconds,
                       "versions": versions}))
 
 

@@ -45,6 +45,7 @@ class Config:
     def __post_init__(self):
         _check_dynamic_sampling(self)
         _check_overlong(self)
+        _check_min_new_tokens(self)
         _check_batches(self)
         _check_names(self)
         _check_rollout_correction(self)
@@ -102,6 +103,12 @@ def _check_overlong(cfg: Config) -> None:
     if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
         raise ConfigError("reward.overlong_buffer.len", f"expected 0 < len <= data.max_response_length "
                           f"({cfg.data.max_response_length}), got {ob.len}")
+
+
+def _check_min_new_tokens(cfg: Config) -> None:
+    if cfg.rollout.min_new_tokens > cfg.data.max_response_length:
+        raise ConfigError("rollout.min_new_tokens", f"expected <= data.max_response_length "
+                          f"({cfg.data.max_response_length}), got {cfg.rollout.min_new_tokens}")
 
 
 def _check_batches(cfg: Config) -> None:

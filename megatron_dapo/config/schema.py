@@ -309,6 +309,8 @@ class RolloutConfig:
     """Nucleus sampling. [recipe: actor_rollout_ref.rollout.top_p]"""
     top_k: int = -1
     """Top-k sampling (-1 = off). [recipe: actor_rollout_ref.rollout.top_k]"""
+    min_new_tokens: int = 0
+    """Training rollouts: EOS (and any stop token) cannot be sampled before this many response tokens; 0 = off, at most data.max_response_length. Local engine: those logits are masked; SGLang: its sampling param min_new_tokens. Rollout log-probs stay those of the unmasked distribution (what the actor recomputes), as with top_k / top_p."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling for validation."""
     max_num_seqs: int = 256
@@ -352,6 +354,7 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "> 0 for training rollouts", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 or >= 1", self.top_k)
+        _check(self.min_new_tokens >= 0, "rollout.min_new_tokens", ">= 0", self.min_new_tokens)
         _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
                self.gpu_memory_utilization)
         _check(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "> 0", self.weight_sync_bucket_mb)

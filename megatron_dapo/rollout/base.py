@@ -68,9 +68,16 @@ class SamplingParams:
     """Token ids that end a response (in addition to the model's EOS)."""
     seed: int | None = None
     """Base seed; per-sample seeds come from `derive_sample_seed`. None = engine randomness."""
+    min_new_tokens: int = 0
+    """The stop tokens (EOS and stop_token_ids) cannot be sampled before this many response tokens
+    (SGLang's sampling param of that name); 0 = off. At most max_new_tokens."""
 
     def __post_init__(self):
         _require_int(self.max_new_tokens, "max_new_tokens", minimum=1)
+        _require_int(self.min_new_tokens, "min_new_tokens", minimum=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
         _require_int(self.n, "n", minimum=1)
         if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
             raise ValueError(

@@ -29,14 +29,16 @@ How a call runs:
    broadcast, so every rank stops at the same step; without it, any TP rank's stop stops all.
 
 Sampling (the pure function `sample_next_tokens`): logits in fp32 divided by the temperature, then
-top-k, then top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
+the stop tokens (EOS and stop_token_ids) masked while a row has fewer than
+`SamplingParams.min_new_tokens` response tokens (SGLang's min_new_tokens penalty), then top-k, then
+top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
 With `SamplingParams.seed` set, row (prompt_id, j) draws from its own generator seeded with
 `derive_sample_seed(seed, prompt_id, j)`, so a sample does not depend on batching or on the order
 of the prompts. Temperature 0 is greedy (argmax, first index on ties).
 
 What `rollout_log_probs` hold: log softmax(logits / temperature)[token] of the UNFILTERED
-tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p). With top_p < 1
-or top_k > 0 that is not the probability the token was actually drawn with (the same convention as
+tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p / stop-token mask).
+With top_p < 1, top_k > 0 or min_new_tokens > 0 that is not the probability the token was actually drawn with (the same convention as
 SGLang and vLLM). Greedy rows (temperature 0) report log softmax(logits)[token], temperature 1.
 
 Parallelism: pipeline parallelism is not supported (ValueError at construction). Under tensor
@@ -117,7 +119,8 @@ def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
 
 def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
                        generators: Sequence[torch.Generator] | None = None,
-                       uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       uniforms: Tensor | None = None, banned_ids: Tensor | None = None,
+                       banned_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One token per row: logits [b, V] -> (tokens [b] int64, log_probs [b] fp32).
 
     temperature 0: argmax, log-prob under softmax(logits). Otherwise a draw from
@@ -125,14 +128,18 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, t
     when given ([b], drawn by the caller), else the next draw of generators[i] for row i, else
     torch's default generator; the log-prob is that of the unfiltered softmax(logits / temperature)
     (module docstring).
+
+    banned_ids [k] int64: tokens that cannot be drawn (argmax included) in the rows where
+    banned_rows [b] bool is set (None: every row), masked before top-k / top-p as SGLang's
+    min_new_tokens penalty does; like those filters the mask leaves the reported log-prob alone.
     """
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = _ban(logits, banned_ids, banned_rows).argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     z = logits / temperature
     log_probs = torch.log_softmax(z, dim=-1)
-    probs = filter_logits(z, top_k=top_k, top_p=top_p).softmax(dim=-1)
+    probs = filter_logits(_ban(z, banned_ids, banned_rows), top_k=top_k, top_p=top_p).softmax(dim=-1)
     b, V = probs.shape
     if uniforms is not None:
         if uniforms.shape != (b,):
@@ -150,6 +157,16 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, t
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     tokens = tokens.clamp(max=V - 1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _ban(z: Tensor, ids: Tensor | None, rows: Tensor | None) -> Tensor:
+    """z [b, V] with z[i, ids] = -inf for the rows i set in rows [b] bool (None: all); z itself when
+    nothing is banned."""
+    if ids is None or not len(ids):
+        return z
+    out = z.clone()
+    out[:, ids] = float("-inf") if rows is None else out[:, ids].masked_fill(rows[:, None], float("-inf"))
+    return out
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -358,9 +375,11 @@ class LocalEngine(RolloutEngine):
             t = pos - lengths                       # [b] index of the token sampled at pos (< 0: prompt)
             sampling_rows = ((t >= 0) & ~done).nonzero().squeeze(-1)
             if len(sampling_rows):
+                early = t[sampling_rows] < sampling.min_new_tokens  # rows that may not stop yet
                 tok, lp = sample_next_tokens(
                     logits[sampling_rows], temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                    uniforms=None if uniforms is None else uniforms[sampling_rows, t[sampling_rows]])
+                    uniforms=None if uniforms is None else uniforms[sampling_rows, t[sampling_rows]],
+                    banned_ids=stop if sampling.min_new_tokens and bool(early.any()) else None, banned_rows=early)
             else:
                 tok = lp = torch.zeros(0, device=dev)
             tok, lp, was_aborted = self._sync_step(tok.long(), lp.float(), aborted.is_set())
@@ -422,12 +441,17 @@ class LocalEngine(RolloutEngine):
 
     @contextlib.contextmanager
     def _generation_mode(self):
-        """no_grad + eval, sequence parallelism and MTP heads off; everything restored on exit."""
+        """no_grad + eval, sequence parallelism and MTP heads off, the local spec's core attention on
+        SDPA (_SdpaCoreAttention); everything restored on exit."""
         inner, config = self.inner, self.inner.config
         modes = [(m, m.training) for m in self.model.modules()]
         sp_saved = [(m, a, getattr(m, a)) for m in inner.modules() for a in _SP_ATTRS if hasattr(m, a)]
         sp_config, mtp_layers, mtp_process = config.sequence_parallel, config.mtp_num_layers, inner.mtp_process
+        swapped = [(m, m.core_attention) for m in inner.modules()
+                   if _SdpaCoreAttention.can_replace(getattr(m, "core_attention", None))]
         try:
+            for m, core in swapped:
+                m.core_attention = _SdpaCoreAttention(core)
             self.model.eval()
             if sp_config:
                 config.sequence_parallel = False
@@ -437,6 +461,8 @@ class LocalEngine(RolloutEngine):
             with torch.no_grad():
                 yield
         finally:
+            for m, core in swapped:
+                m.core_attention = core
             config.sequence_parallel, config.mtp_num_layers, inner.mtp_process = sp_config, mtp_layers, mtp_process
             for m, a, v in sp_saved:
                 setattr(m, a, v)
@@ -528,6 +554,46 @@ class LocalEngine(RolloutEngine):
     def close(self) -> None:
         self._closed = True
         self.abort()
+
+
+class _SdpaCoreAttention(torch.nn.Module):
+    """Megatron's local DotProductAttention computed by torch's scaled_dot_product_attention, for the
+    generation only (the actor's forward keeps Megatron's module, so training numerics are untouched).
+
+    Why: the local module expands the grouped K/V cache to every head (repeat_interleave, a copy of
+    the whole cache per layer and decode step) and runs baddbmm + masked softmax + bmm; SDPA reads the
+    groups in place (enable_gqa) in one fused call. Only the two shapes the engine produces are
+    handled: a decode step (sq = 1 query against every cached key: nothing to mask) and a forward
+    from position 0 (sq = sk: causal). Any other call goes to the wrapped module. Local spec only
+    (TE's attention is already fused); softmax_type vanilla, no sliding window, dropout off (eval).
+    Shapes: query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn].
+    """
+
+    def __init__(self, core: torch.nn.Module):
+        super().__init__()
+        self.core = core
+        coeff = core.scale_mask_softmax.scale  # apply_query_key_layer_scaling: softmax_scale / coeff
+        self.scale = core.softmax_scale * (coeff if coeff is not None else 1.0)
+
+    @staticmethod
+    def can_replace(core: Any) -> bool:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return (type(core) is DotProductAttention and core.config.softmax_type == "vanilla"
+                and core.scale_mask_softmax.window_size is None)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        sq, sk = query.shape[0], key.shape[0]
+        if attention_bias is not None or packed_seq_params is not None or not (sq == 1 or sq == sk):
+            return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        b, heads, hn = query.shape[1], query.shape[2], query.shape[3]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            is_causal=sq > 1, scale=self.scale, enable_gqa=key.shape[2] != heads)  # [b, np, sq, hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
 
 
 class _CachedStepper:

@@ -121,8 +121,8 @@ class ThroughputMeter:
 
 def same_sampling(want: SamplingParams) -> Callable[[SamplingParams], bool]:
     """Counts calls sampled as `want` (seeds and stop tokens aside): the training generation."""
-    key = (want.n, want.max_new_tokens, want.temperature, want.top_p, want.top_k)
-    return lambda s: (s.n, s.max_new_tokens, s.temperature, s.top_p, s.top_k) == key
+    key = (want.n, want.max_new_tokens, want.temperature, want.top_p, want.top_k, want.min_new_tokens)
+    return lambda s: (s.n, s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.min_new_tokens) == key
 
 
 class AutoSpeculation:

@@ -3,7 +3,8 @@
 Request (SGLang's GenerateReqInput and SamplingParams, every field checked against the release
 protocols in tests/assets/sglang): a batch with `input_ids` (one token list per item),
 `sampling_params` (one dict per item: max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-and sampling_seed when the servers honour seeds), `rid` (one id per item), `return_logprob: true`,
+min_new_tokens when > 0 (every supported release masks EOS and the stop tokens before it), and
+sampling_seed when the servers honour seeds), `rid` (one id per item), `return_logprob: true`,
 `logprob_start_len: -1` (output tokens only), `stream: false`.
 
 Reply: a list, one result per item in order: `{"text", "output_ids", "meta_info": {"id",
@@ -73,6 +74,8 @@ def build_generate_payload(
         }
         if sampling.stop_token_ids:
             p["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.min_new_tokens:
+            p["min_new_tokens"] = sampling.min_new_tokens
         if seeds and sampling.seed is not None:
             p["sampling_seed"] = derive_sample_seed(sampling.seed, prompt.prompt_id, j)
         params.append(p)

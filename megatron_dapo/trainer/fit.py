@@ -147,6 +147,7 @@ class DAPOTrainer:
         sampling = lambda k: SamplingParams(  # noqa: E731
             max_new_tokens=cfg.data.max_response_length, n=cfg.rollout.n, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=(p.tokenizer.eos_id,),
+            min_new_tokens=cfg.rollout.min_new_tokens,
             seed=cfg.trainer.seed * 1_000_003 + step * 1009 + k)
         while True:
             k = self.buffer.num_gen_batches

@@ -235,7 +235,9 @@ class Producer:
                                   token_ids=trajs[i].sample.prompt_token_ids + trajs[i].sample.response_token_ids)
                       for i in rows]
             seed = None if sampling.seed is None else sampling.seed + 1_000_033 * (self.engine.policy_version + 1)
-            cont = self._call(inputs, dataclasses.replace(sampling, n=1, max_new_tokens=remaining, seed=seed))
+            done = sampling.max_new_tokens - remaining  # tokens each of these rows already has
+            cont = self._call(inputs, dataclasses.replace(sampling, n=1, max_new_tokens=remaining, seed=seed,
+                                                          min_new_tokens=max(0, sampling.min_new_tokens - done)))
             for i, c in zip(rows, cont, strict=True):
                 s = trajs[i].sample
                 out[i] = Trajectory(dataclasses.replace(
@@ -298,7 +300,8 @@ def sampling_params(cfg, *, eos_id: int) -> SamplingParams:
     """Training-rollout sampling from the config; the seed comes per prompt from the queue."""
     r = cfg.rollout
     return SamplingParams(max_new_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, stop_token_ids=(eos_id,), seed=None)
+                          top_p=r.top_p, top_k=r.top_k, stop_token_ids=(eos_id,), seed=None,
+                          min_new_tokens=r.min_new_tokens)
 
 
 # ------------------------------------------------------------------------------ producer processes

@@ -198,7 +198,7 @@ def weight_sync(cfg: Config, parts):
 
     r = cfg.rollout
     train = SamplingParams(max_new_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature,
-                           top_p=r.top_p, top_k=r.top_k)
+                           top_p=r.top_p, top_k=r.top_k, min_new_tokens=r.min_new_tokens)
     return AutoSpeculation(SpeculationProbe(steps=spec.auto_steps, start_step=spec.auto_start_step), pgs=parts.pgs,
                            engine=parts.engine, counted=same_sampling(train),
                            make_push=lambda on: _sglang_push(mode(on), parts), relaunch=relaunch)

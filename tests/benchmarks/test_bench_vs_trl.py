@@ -3,6 +3,8 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -13,16 +15,20 @@ def _bench():
     return mod
 
 
-def test_linear_params_count_every_matmul_weight_of_the_benchmark_model():
-    """_linear_params (the FLOP count's base) == the 2-D weights of the Megatron model the bench trains,
-    embedding excluded (a lookup, no FLOPs)."""
+@pytest.mark.parametrize("workload, dims", [
+    ("toy", (4, 256, 768, 4, 2)),
+    ("long", (8, 512, 1536, 8, 2)),
+])
+def test_linear_params_count_every_matmul_weight_of_the_benchmark_model(workload, dims):
+    """_linear_params (the FLOP count's base) and the floor's GEMM shapes == the 2-D weights of the
+    Megatron model the bench trains, embedding excluded (a lookup, no FLOPs)."""
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_model
     from megatron_dapo.parallel import init_parallel
     from megatron_dapo.workers.model_arch import model_arch
 
     bench = _bench()
-    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), bench.OUR_OVERRIDES)
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), bench.WORKLOADS[workload])
     vocab = 18
     arch = model_arch(cfg, vocab_size=vocab)
     model = build_gpt_model(arch, pgs=init_parallel())
@@ -30,6 +36,9 @@ def test_linear_params_count_every_matmul_weight_of_the_benchmark_model():
                   if p.dim() == 2 and "embedding" not in name)
     m = {k: getattr(arch, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                        "num_query_groups")}
-    assert m == {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 4,
-                 "num_query_groups": 2}
+    assert tuple(m.values()) == dims
     assert bench._linear_params(m, vocab) == weights
+    assert sum(k * n * c for k, n, c in bench._linear_shapes(m, vocab)) == weights
+    if workload == "long":  # the issue's "about 25M parameters", and responses of exactly 128 tokens
+        assert 24e6 < weights < 26e6
+        assert cfg.rollout.min_new_tokens == cfg.data.max_response_length == 128

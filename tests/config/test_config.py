@@ -92,6 +92,8 @@ def test_unknown_key_names_it_and_suggests_the_closest():
     (["rollout.n=1"], "rollout.n"),
     (["reward.overlong_buffer.len=0"], "reward.overlong_buffer.len"),
     (["reward.overlong_buffer.len=13"], "reward.overlong_buffer.len"),
+    (["rollout.min_new_tokens=-1"], "rollout.min_new_tokens"),
+    (["rollout.min_new_tokens=13"], "rollout.min_new_tokens"),
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size"),
     (["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size"),
     (["trainer.n_gpus_per_node=4", "parallel.expert_model_parallel_size=8"], "parallel.expert_model_parallel_size"),

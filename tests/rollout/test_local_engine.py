@@ -187,6 +187,29 @@ def test_stop_token_and_eos_end_the_response_inclusively(pgs, actor):
         assert [(s.response_token_ids, s.finish_reason) for s in got] == want
 
 
+def test_min_new_tokens_masks_eos_and_stop_tokens_until_then_and_keeps_actor_log_probs(pgs, actor):
+    """Four of the 16 tokens stop a response (EOS and three stop ids): unmasked, most rows stop in
+    their first 4 tokens; with min_new_tokens=5 no row stops before token 5, many stop right after,
+    and the rollout log-probs are still the actor's unmasked ones."""
+    stops = (2, 3, 4)
+    sp = SamplingParams(max_new_tokens=8, n=8, temperature=1.0, seed=7, stop_token_ids=stops)
+    eng = engine(bare(actor), pgs)
+    free = eng.generate(PROMPTS, sp)
+    held = eng.generate(PROMPTS, dataclasses.replace(sp, min_new_tokens=5))
+    check_generate_output(PROMPTS, sp, held)
+    stop_set = {EOS, *stops}
+    assert sum(len(s.response_token_ids) < 5 and s.finish_reason == "stop" for s in free) > len(free) // 2
+    for s in held:
+        assert not stop_set & set(s.response_token_ids[:5])
+        assert (s.finish_reason == "stop") == (s.response_token_ids[-1] in stop_set)
+    assert sum(s.finish_reason == "stop" for s in held) >= len(held) // 4
+    batch, lp = actor_log_probs(actor, held, 8)
+    got = torch.zeros_like(lp)
+    for i, s in enumerate(held):
+        got[i, :len(s.rollout_log_probs)] = torch.tensor(s.rollout_log_probs)
+    torch.testing.assert_close(got, lp, atol=1e-4, rtol=1e-4)  # fp32: the same function, other batching
+
+
 def test_output_follows_the_ordering_contract(pgs, actor):
     sampling = SamplingParams(max_new_tokens=3, n=3, temperature=1.0, seed=0)
     eng = engine(bare(actor), pgs, max_batch_size=4, policy_version=7)
@@ -375,6 +398,20 @@ def test_greedy_picks_argmax_and_reports_the_temperature_1_log_prob():
     tokens, lp = sample_next_tokens(logits, temperature=0.0)
     assert tokens.tolist() == [1, 2]
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
+
+
+def test_banned_tokens_are_never_drawn_in_the_banned_rows_and_keep_the_unmasked_log_prob():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.5, 1.0], [0.0, 4.0, 1.0]])
+    ban, rows = torch.tensor([1, 2]), torch.tensor([True, False, True])
+    tokens, lp = sample_next_tokens(logits, temperature=0.0, banned_ids=ban, banned_rows=rows)
+    assert tokens.tolist() == [0, 2, 0]  # row 1 is not banned: its argmax stays
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[[0, 1, 2], [0, 2, 0]])
+    gens = [torch.Generator().manual_seed(i) for i in range(300)]
+    drawn, lp = sample_next_tokens(logits.repeat(100, 1), temperature=1.0, banned_ids=ban,
+                                   banned_rows=rows.repeat(100), generators=gens)
+    assert set(drawn[0::3].tolist()) == {0} and set(drawn[2::3].tolist()) == {0}
+    assert set(drawn[1::3].tolist()) == {0, 1, 2}  # the unbanned row still draws from everything
+    torch.testing.assert_close(lp, torch.log_softmax(logits.repeat(100, 1), -1).gather(-1, drawn[:, None])[:, 0])
 
 
 def test_sampling_frequencies_match_the_filtered_distribution_and_log_probs_the_unfiltered_one():

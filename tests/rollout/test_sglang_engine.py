@@ -92,6 +92,17 @@ def test_stop_token_ends_a_sample_with_stop_and_is_kept_while_others_hit_length(
     assert server.requests("/generate")[0]["sampling_params"][0]["stop_token_ids"] == [free[k]]
 
 
+def test_min_new_tokens_is_sent_as_sglangs_sampling_param_only_when_set(server):
+    """SGLang masks EOS and the stop tokens before `min_new_tokens`; the engine forwards it (the
+    fixture checks the release accepts the field) and leaves the default 0 out of the body."""
+    with _engine(server.url) as eng:
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, seed=3, min_new_tokens=5))
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, seed=3))
+    sent, default = (b["sampling_params"][0] for b in server.requests("/generate"))
+    assert sent["min_new_tokens"] == 5 and sent["max_new_tokens"] == 8
+    assert "min_new_tokens" not in default
+
+
 def test_concurrency_per_server_never_exceeds_the_limit(server):
     server.knobs(delay_s=0.1)
     sp = SamplingParams(max_new_tokens=2, n=2, seed=0)

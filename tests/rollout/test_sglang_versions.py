@@ -71,6 +71,7 @@ def test_release_table_agrees_with_the_wheel(version):
         assert f.update_selector == ("selector" in p["request_classes"][cls]["fields"])
     assert "/abort_request" in p["routes"] and "rid" in p["request_classes"]["AbortReq"]["fields"]
     assert "sampling_seed" in p["sampling_params"] and "--enable-deterministic-inference" in p["launch_flags"]
+    assert "min_new_tokens" in p["sampling_params"]  # SamplingParams.min_new_tokens is sent as is
     assert "--context-length" in p["launch_flags"] and "/destroy_weights_update_group" in p["routes"]
 
 

@@ -2,6 +2,7 @@
 queue recovery rules, sync mode == the sync trainer, stage I/O through the queue, parameter_sync_step,
 and the async mode with a producer process."""
 
+import dataclasses
 import json
 import pathlib
 import threading
@@ -190,6 +191,19 @@ def test_partial_rollout_continues_aborted_samples_under_the_new_weights(tmp_pat
     assert torch.allclose(f["rollout_log_probs"][0], torch.tensor([-0.1] * 2 + [-0.2] * 4))
     assert (f["finish_reason"], f["min_policy_version"], f["max_policy_version"]) == (["length"], [0], [1])
     assert q.get_tags(TRAIN, ["a@1.0"])[0]["policy_version"] == 1
+
+
+def test_a_continuation_keeps_only_the_rest_of_min_new_tokens(tmp_path):
+    """min_new_tokens counts the whole response: a continuation after 2 tokens needs 5 - 2 = 3 more."""
+    q = TransferQueue(tmp_path / "q.sqlite")
+    _put_prompts(q, ["a@1.0"])
+    store = WeightStore(str(tmp_path / "w"))
+    store.publish(1, {"w": torch.ones(2)})
+    engine = ScriptedEngine(abort_first=True)
+    prod = Producer(q, engine, sampling=dataclasses.replace(SAMPLING, min_new_tokens=5), producer_id="p0",
+                    weights=store, partial_rollout=True, poll_s=0.01)
+    assert prod.run_once(1) == 1
+    assert [(c[2].max_new_tokens, c[2].min_new_tokens) for c in engine.calls] == [(6, 5), (4, 3)]
 
 
 def test_partial_rollout_with_the_local_engine_continues_mid_decode_under_the_new_version(tmp_path):
