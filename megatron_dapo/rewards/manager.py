@@ -16,7 +16,9 @@ gives that row ``error_score`` (default -1.0, math_dapo's "wrong" score), counts
 Execution. With ``timeout_s > 0`` every call runs in one of ``num_workers`` persistent worker
 processes; a call that overruns has its worker killed and replaced, so one hanging call stalls a
 batch by about ``timeout_s`` (a batch where every call hangs takes ``ceil(B / num_workers) *
-timeout_s``). Workers start on the first ``score`` call and live until ``close()`` (or the end
+timeout_s``). Rows are sent ahead, up to 32 (and 32 KB of text) per worker, answered in order: the
+pipe round trip is paid per window, not per row (384 arithmetic rows in one worker: 26 -> 14 ms,
+``python benchmarks/bench_reward.py``). Workers start on the first ``score`` call and live until ``close()`` (or the end
 of a ``with`` block). The default start method is "forkserver": workers fork from a clean
 server process that has this module (and torch) imported once, so a replacement worker costs
 milliseconds and never inherits the trainer's CUDA context or threads. ``score_fn`` is pickled
@@ -58,6 +60,9 @@ _START_METHODS = ("forkserver", "spawn", "fork")
 _MAX_ERROR_MESSAGES = 8
 # A worker's start-up (forkserver launch, importing torch and score_fn's module) is not call time.
 _WORKER_START_TIMEOUT_S = 120.0
+_WINDOW = 32  # rows sent ahead to one worker (their answers stay far below a pipe's buffer)
+_WINDOW_CHARS = 32768  # and at most this many characters of them (a socket pair buffers about 200 KB)
+_ROW_OVERHEAD_CHARS = 256  # a row's ground truth and pickling, counted generously
 
 
 class RewardError(RuntimeError):
@@ -484,52 +489,80 @@ class RewardManager:
             worker.kill()
             self._workers[slot] = None
 
+    @staticmethod
+    def _has_room(rows: deque, row: int, responses: Sequence[str]) -> bool:
+        """Whether `row` may join a worker's queue: always when it is empty, else while the queue stays
+        within _WINDOW rows and _WINDOW_CHARS characters (the bytes sent ahead must fit the pipe's buffer,
+        or a send would block the loop that enforces the timeouts)."""
+        if not rows:
+            return True
+        chars = sum(len(responses[r]) + _ROW_OVERHEAD_CHARS for r in rows)
+        return len(rows) < _WINDOW and chars + len(responses[row]) + _ROW_OVERHEAD_CHARS <= _WINDOW_CHARS
+
     def _score_in_workers(self, responses: Sequence[str], ground_truths: Sequence) -> list[_Outcome]:
+        """Each worker holds up to _WINDOW rows at a time, sent ahead and answered in order, so a batch
+        costs one pipe round trip per window rather than per row. The clock of a worker's head row
+        starts when the row before it answered (or when it was sent): a call that overruns timeout_s
+        has its worker killed, and the rows queued behind it (never started) go back to the front."""
         outcomes: list[_Outcome | None] = [None] * len(responses)
         pending = deque(range(len(responses)))
-        idle = deque(range(self.num_workers))
-        busy: dict[int, tuple[int, float]] = {}  # slot -> (row, deadline on the monotonic clock)
+        flight: dict[int, deque] = {slot: deque() for slot in range(self.num_workers)}  # rows sent, in order
+        clock: dict[int, float] = {}  # slot -> when its head row's call started (monotonic)
+
+        def requeue(slot: int) -> None:  # the rows behind a failed head never started: back to the front
+            flight[slot].popleft()
+            pending.extendleft(reversed(flight[slot]))
+            flight[slot].clear()
+            self._kill_slot(slot)
+
         try:
-            while pending or busy:
-                if pending and idle:
-                    self._ensure_workers(idle)
-                while pending and idle:
-                    slot, row = idle.popleft(), pending.popleft()
-                    self._workers[slot].conn.send((row, responses[row], ground_truths[row]))
-                    busy[slot] = (row, time.monotonic() + self.timeout_s)
-                next_deadline = min(deadline for _, deadline in busy.values())
+            while pending or any(flight.values()):
+                if pending:
+                    self._ensure_workers([slot for slot in flight if not flight[slot]])
+                while pending and (room := [slot for slot in flight if self._has_room(flight[slot], pending[0], responses)]):
+                    for slot in room:  # one row each in turn: small batches still spread over workers
+                        if not pending or not self._has_room(flight[slot], pending[0], responses):
+                            break
+                        row = pending.popleft()
+                        self._workers[slot].conn.send((row, responses[row], ground_truths[row]))
+                        if not flight[slot]:
+                            clock[slot] = time.monotonic()
+                        flight[slot].append(row)
+                busy = [slot for slot in flight if flight[slot]]
+                next_deadline = min(clock[slot] for slot in busy) + self.timeout_s
                 conns = {self._workers[slot].conn: slot for slot in busy}
                 ready = wait_for_connections(list(conns), timeout=max(0.0, next_deadline - time.monotonic()))
                 for conn in ready:
                     slot = conns[conn]
-                    row, _ = busy.pop(slot)
-                    try:
-                        reply_row, outcome = conn.recv()
-                    except (EOFError, OSError):
-                        process = self._workers[slot].process
-                        process.join(timeout=5.0)  # the pipe closes a moment before the exit is reaped
-                        exitcode = process.exitcode
-                        self._kill_slot(slot)
-                        outcome = _Outcome(failure=f"killed its worker process (exit code {exitcode})")
-                    else:
-                        if reply_row != row:  # one task per worker at a time: a mismatch is a bug here
-                            raise RuntimeError(
-                                f"reward worker answered row {reply_row} while row {row} was due"
-                            )
-                    idle.append(slot)
-                    outcomes[row] = self._settle(row, ground_truths[row], outcome)
-                now = time.monotonic()
-                for slot, (row, deadline) in list(busy.items()):
-                    if deadline <= now:
-                        del busy[slot]
-                        self._kill_slot(slot)
-                        idle.append(slot)
-                        outcome = _Outcome(failure=f"timed out after {self.timeout_s:g} s")
+                    while flight[slot] and conn.poll(0):
+                        row = flight[slot][0]
+                        try:
+                            reply_row, outcome = conn.recv()
+                        except (EOFError, OSError):
+                            process = self._workers[slot].process
+                            process.join(timeout=5.0)  # the pipe closes a moment before the exit is reaped
+                            exitcode = process.exitcode
+                            requeue(slot)
+                            outcomes[row] = self._settle(row, ground_truths[row], _Outcome(
+                                failure=f"killed its worker process (exit code {exitcode})"))
+                            break
+                        if reply_row != row:  # a worker answers in the order it was sent: a mismatch is a bug
+                            raise RuntimeError(f"reward worker answered row {reply_row} while row {row} was due")
+                        flight[slot].popleft()
+                        clock[slot] = time.monotonic()
                         outcomes[row] = self._settle(row, ground_truths[row], outcome)
+                now = time.monotonic()
+                expired = [slot for slot in flight if flight[slot] and clock[slot] + self.timeout_s <= now]
+                for slot in sorted(expired, key=clock.__getitem__):  # the call that overran first, first
+                    row = flight[slot][0]
+                    requeue(slot)
+                    outcomes[row] = self._settle(row, ground_truths[row],
+                                                 _Outcome(failure=f"timed out after {self.timeout_s:g} s"))
         except BaseException:
             # Raising mid-batch (RewardError, Ctrl-C): calls still running would answer into the
             # next batch, so their workers go; the slots are refilled on the next call.
-            for slot in busy:
-                self._kill_slot(slot)
+            for slot in flight:
+                if flight[slot]:
+                    self._kill_slot(slot)
             raise
         return outcomes

@@ -183,6 +183,31 @@ def test_hanging_call_raises_quickly_in_raise_mode_and_next_batch_works(make_man
     assert manager.score(["ok", "ok"], ["ok", "ok"], [1, 1]).score.tolist() == [1.0, 1.0]
 
 
+def test_rows_queued_behind_a_hang_or_a_death_are_scored_once_each(make_manager):
+    """Rows are sent ahead to each worker (up to a window); the ones behind a call that hangs or kills its
+    worker never started, so they go to a fresh worker: every row gets exactly its own outcome."""
+    manager = make_manager(faulty, timeout_s=0.5, on_error="penalize", num_workers=2)
+    responses = [str(i) for i in range(200)]
+    responses[7], responses[150], responses[90] = "hang", "hang", "die"
+    out = manager.score(responses, [str(i) for i in range(200)], [1] * 200)
+    expected = [1.0] * 200
+    expected[7] = expected[150] = expected[90] = -1.0
+    assert out.score.tolist() == expected and out.num_errors == 3
+    assert out.extra["pred"][:7] == [str(i) for i in range(7)] and out.extra["pred"][151:] == responses[151:]
+
+
+def test_long_responses_never_block_the_pipe(make_manager):
+    """20k-character responses: the bytes sent ahead stay within the window, so a send never blocks while
+    a worker hangs (the timeout still fires)."""
+    manager = make_manager(faulty, timeout_s=0.5, on_error="penalize")
+    long = ["x" * 20000 + str(i) for i in range(40)]
+    long[3] = "hang"
+    start = time.monotonic()
+    out = manager.score(long, list(long), [1] * 40)
+    assert time.monotonic() - start < 30.0
+    assert out.score.tolist() == [1.0] * 3 + [-1.0] + [1.0] * 36
+
+
 def test_worker_that_dies_is_penalised_and_replaced(make_manager):
     manager = make_manager(faulty, timeout_s=5.0, on_error="penalize")
     out = manager.score(["die", "ok"], ["ok", "ok"], [1, 1])
