@@ -523,7 +523,13 @@ class TrainerConfig:
     sft_warmup_steps: int = 0
     """Supervised warm-up steps on the task's answers before RL (the embedded default uses it; cached in the run directory)."""
     sft_warmup_lr: float = 1e-3
-    """Learning rate of the supervised warm-up."""
+    """Peak learning rate of the supervised warm-up."""
+    sft_warmup_lr_warmup_steps: int = 0
+    """Steps of a linear ramp up to sft_warmup_lr (step k of the ramp uses sft_warmup_lr * k / ramp); 0 = none."""
+    sft_warmup_lr_decay_style: Literal["constant", "cosine"] = "constant"
+    """After the ramp: constant, or cosine decay to 0 at sft_warmup_steps (an early stop at sft_warmup_target_acc stops partway down the curve)."""
+    sft_warmup_batch_size: int = 64
+    """Answers per supervised warm-up step."""
     sft_warmup_target_acc: float = 0.0
     """Stop the warm-up early once the policy's accuracy on the first 256 training problems (sampled with rollout.val_kwargs, mean@n; checked every 50 steps) reaches this, so RL starts from a policy that is sometimes right whatever the seed; 0 = run exactly sft_warmup_steps."""
 
@@ -538,6 +544,9 @@ class TrainerConfig:
         _check(set(self.logger) <= {"console", "tensorboard", "wandb", "mlflow"}, "trainer.logger",
                'a list of "console", "tensorboard", "wandb", "mlflow"', self.logger)
         _check(self.sft_warmup_steps >= 0, "trainer.sft_warmup_steps", ">= 0", self.sft_warmup_steps)
+        _check(self.sft_warmup_lr_warmup_steps >= 0, "trainer.sft_warmup_lr_warmup_steps", ">= 0",
+               self.sft_warmup_lr_warmup_steps)
+        _check(self.sft_warmup_batch_size >= 1, "trainer.sft_warmup_batch_size", ">= 1", self.sft_warmup_batch_size)
         _check(0.0 <= self.sft_warmup_target_acc < 1.0, "trainer.sft_warmup_target_acc", "in [0, 1)",
                self.sft_warmup_target_acc)
         _check(bool(self.experiment_name) and "/" not in self.experiment_name, "trainer.experiment_name",

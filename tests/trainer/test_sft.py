@@ -23,15 +23,17 @@ def _weights(actor) -> torch.Tensor:
 
 
 def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
-    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0")
+    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0",
+                        "trainer.sft_warmup_batch_size=16")
     examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
     first = parts.actor.supervised_step(sft._batch(examples[:64], parts.tokenizer.pad_id), lr=0.0)  # lr 0: a probe
-    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, batch_size=16)
+    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0)
     assert m["sft/steps"] == 30 and "sft/probe_acc" not in m
     after = parts.actor.supervised_step(sft._batch(examples[:64], parts.tokenizer.pad_id), lr=0.0)
     assert after["actor/pg_loss"] < 0.7 * first["actor/pg_loss"]
     warmed = _weights(parts.actor)
-    _, again = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0")
+    _, again = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0",
+                      "trainer.sft_warmup_batch_size=16")
     assert sft.sft_warmup(again.actor, examples, cfg, pad_id=again.tokenizer.pad_id, rank=0) == {"sft/cached": 1.0}
     assert torch.equal(_weights(again.actor), warmed)
     parts.reward_manager.close()
@@ -40,12 +42,13 @@ def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
 
 def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "PROBE_EVERY", 4)
-    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=40", "trainer.sft_warmup_target_acc=0.3")
+    cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=40", "trainer.sft_warmup_target_acc=0.3",
+                        "trainer.sft_warmup_batch_size=8")
     examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
     seen = []
     readings = iter([0.05, 0.2, 0.31, 0.9])
     probe = lambda: seen.append(len(seen)) or next(readings)  # noqa: E731
-    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, batch_size=8, probe=probe)
+    m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, probe=probe)
     assert (m["sft/steps"], m["sft/probe_acc"], len(seen)) == (12, 0.31, 3)
     with pytest.raises(ValueError, match="needs a probe"):
         sft.sft_warmup(parts.actor, examples, load_config("configs/tiny_cpu.yaml", SMALL + [
@@ -54,6 +57,20 @@ def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monk
     with pytest.raises(ConfigError, match="sft_warmup_target_acc"):
         load_config("configs/tiny_cpu.yaml", ["trainer.sft_warmup_target_acc=1.0"])
     parts.reward_manager.close()
+
+
+def test_warmup_lr_schedule_ramps_then_decays_by_cosine():
+    t = load_config("configs/tiny_cpu.yaml", ["trainer.sft_warmup_steps=110", "trainer.sft_warmup_lr=2e-3",
+                                              "trainer.sft_warmup_lr_warmup_steps=10",
+                                              "trainer.sft_warmup_lr_decay_style=cosine"]).trainer
+    assert sft.warmup_lr(t, 1) == pytest.approx(2e-4) and sft.warmup_lr(t, 10) == pytest.approx(2e-3)
+    assert sft.warmup_lr(t, 60) == pytest.approx(1e-3)  # half-way down the cosine: half the peak
+    assert sft.warmup_lr(t, 110) == pytest.approx(0.0, abs=1e-12)
+    const = load_config("configs/tiny_cpu.yaml", ["trainer.sft_warmup_lr=2e-3", "trainer.sft_warmup_lr_warmup_steps=0",
+                                                  "trainer.sft_warmup_lr_decay_style=constant"]).trainer
+    assert [sft.warmup_lr(const, s) for s in (1, 500)] == [2e-3, 2e-3]
+    with pytest.raises(ConfigError, match="sft_warmup_batch_size"):
+        load_config("configs/tiny_cpu.yaml", ["trainer.sft_warmup_batch_size=0"])
 
 
 def test_the_run_probes_accuracy_on_training_problems(tmp_path):
