@@ -519,15 +519,17 @@ class RewardManager:
             while pending or any(flight.values()):
                 if pending:
                     self._ensure_workers([slot for slot in flight if not flight[slot]])
-                while pending and (room := [slot for slot in flight if self._has_room(flight[slot], pending[0], responses)]):
-                    for slot in room:  # one row each in turn: small batches still spread over workers
-                        if not pending or not self._has_room(flight[slot], pending[0], responses):
-                            break
-                        row = pending.popleft()
-                        self._workers[slot].conn.send((row, responses[row], ground_truths[row]))
-                        if not flight[slot]:
-                            clock[slot] = time.monotonic()
-                        flight[slot].append(row)
+                sent = True
+                while pending and sent:  # one row per worker in turn: small batches still spread over workers
+                    sent = False
+                    for slot, rows in flight.items():
+                        if pending and self._has_room(rows, pending[0], responses):
+                            row = pending.popleft()
+                            self._workers[slot].conn.send((row, responses[row], ground_truths[row]))
+                            if not rows:
+                                clock[slot] = time.monotonic()
+                            rows.append(row)
+                            sent = True
                 busy = [slot for slot in flight if flight[slot]]
                 next_deadline = min(clock[slot] for slot in busy) + self.timeout_s
                 conns = {self._workers[slot].conn: slot for slot in busy}
