@@ -17,7 +17,7 @@ Execution. With ``timeout_s > 0`` every call runs in one of ``num_workers`` pers
 processes; a call that overruns has its worker killed and replaced, so one hanging call stalls a
 batch by about ``timeout_s`` (a batch where every call hangs takes ``ceil(B / num_workers) *
 timeout_s``). Rows are sent ahead, up to 32 (and 32 KB of text) per worker, answered in order: the
-pipe round trip is paid per window, not per row (384 arithmetic rows in one worker: 26 -> 14 ms,
+pipe round trip is paid per window, not per row (384 arithmetic rows in one worker: 43.6 -> 7.6 ms,
 ``python benchmarks/bench_reward.py``). Workers start on the first ``score`` call and live until ``close()`` (or the end
 of a ``with`` block). The default start method is "forkserver": workers fork from a clean
 server process that has this module (and torch) imported once, so a replacement worker costs
