@@ -41,15 +41,21 @@ def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
 
 
 def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(sft, "PROBE_EVERY", 4)
+    monkeypatch.setattr(sft, "PROBE_GAPS", ((0.25, 8), (0.6, 4), (float("inf"), 2)))
     cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=40", "trainer.sft_warmup_target_acc=0.3",
                         "trainer.sft_warmup_batch_size=8")
     examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
-    seen = []
-    readings = iter([0.05, 0.2, 0.31, 0.9])
-    probe = lambda: seen.append(len(seen)) or next(readings)  # noqa: E731
+    steps_at_check = []
+    readings = iter([0.05, 0.1, 0.15, 0.29, 0.31, 0.9])
+    real_step = parts.actor.supervised_step
+    done = []
+    parts.actor.supervised_step = lambda *a, **k: done.append(1) or real_step(*a, **k)
+    probe = lambda: steps_at_check.append(len(done)) or next(readings)  # noqa: E731
     m = sft.sft_warmup(parts.actor, examples, cfg, pad_id=parts.tokenizer.pad_id, rank=0, probe=probe)
-    assert (m["sft/steps"], m["sft/probe_acc"], len(seen)) == (12, 0.31, 3)
+    # 0.05 < 0.25 x target: 8 steps to the next check; 0.1, 0.15 < 0.6 x target: 4; 0.29 (near it): 2
+    assert steps_at_check == [8, 16, 20, 24, 26]
+    assert (m["sft/steps"], m["sft/probe_acc"]) == (26, 0.31)
+    assert [sft.next_probe_gap(a, 0.3) for a in (None, 0.0, 0.074, 0.075, 0.179, 0.18, 0.5)] == [8, 8, 8, 4, 4, 2, 2]
     with pytest.raises(ValueError, match="needs a probe"):
         sft.sft_warmup(parts.actor, examples, load_config("configs/tiny_cpu.yaml", SMALL + [
             f"trainer.output_dir={tmp_path}/b", "trainer.sft_warmup_steps=8", "trainer.sft_warmup_target_acc=0.3"]),
