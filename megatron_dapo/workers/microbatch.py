@@ -225,6 +225,20 @@ def _response_tokens(rows: list[int], seq_start: Tensor, pl: Tensor, rl: Tensor)
     return token_index, token_row, token_pos
 
 
+def _sequence_tokens(rows_t: Tensor, k: Tensor, s: Tensor, pl: Tensor, rl: Tensor, prompt_ids: Tensor,
+                     responses: Tensor, pad_id: int) -> Tensor:
+    """Token s of micro-batch sequence k (prompt_ids[row, :pl] + responses[row, :rl]; pad_id past its
+    end), for flat index tensors k and s: one gather per source instead of a copy per row."""
+    row = rows_t[k]
+    p, n = pl[k], rl[k]
+    in_prompt = s < p
+    from_prompt = prompt_ids[row, s.clamp(max=prompt_ids.shape[1] - 1)]
+    t = (s - p).clamp(min=0, max=max(responses.shape[1] - 1, 0))
+    from_response = responses[row, t] if responses.shape[1] else torch.full_like(s, pad_id)
+    out = torch.where(in_prompt, from_prompt, from_response)
+    return torch.where(s < p + n, out, torch.full_like(out, pad_id)).long()
+
+
 def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor,
                      response_length: Tensor, *, pad_id: int, seq_multiple: int = 1,
                      packed: bool = False) -> MicroBatch:
@@ -239,7 +253,6 @@ def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor,
         raise ValueError(f"row {rows[k]} has an empty prompt: its first response token has no position to predict it")
     seq_len = pl + rl
     lengths = seq_len.tolist()
-    seqs = [torch.cat([prompt_ids[r, :p], responses[r, :n]]) for r, p, n in zip(rows, pl.tolist(), rl.tolist())]
     if packed:
         total = sum(lengths)
         stot = _round_up(total, seq_multiple)
@@ -247,26 +260,31 @@ def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor,
         segments = lengths + ([stot - total] if stot > total else [])
         cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(segments), 0)
+        # position s of the packed row: sequence k = the segment holding it, offset s - starts[k]
+        seg = torch.repeat_interleave(torch.arange(len(rows)), seq_len)
+        offset = torch.arange(total) - starts[seg]
+        tokens = _sequence_tokens(rows_t, seg, offset, pl, rl, prompt_ids, responses, pad_id)
+        next_ok = torch.ones(total, dtype=torch.bool)
+        next_ok[(starts + seq_len - 1)] = False  # a sequence's last token has no next token in it
         ids = torch.full((1, stot), pad_id, dtype=torch.long)
         labels = torch.full((1, stot), pad_id, dtype=torch.long)
+        ids[0, :total] = tokens
+        labels[0, :total - 1] = torch.where(next_ok[:total - 1], tokens[1:], pad_id)
         pos = torch.zeros(1, stot, dtype=torch.long)
-        for s0, seq in zip(starts.tolist(), seqs):
-            n = seq.numel()
-            ids[0, s0:s0 + n] = seq
-            labels[0, s0:s0 + n - 1] = seq[1:]
-            pos[0, s0:s0 + n] = torch.arange(n)
+        pos[0, :total] = offset
         if stot > total:
             pos[0, total:] = torch.arange(stot - total)
         seq_start = starts
         extra = dict(cu_seqlens=cu, max_seqlen=max(segments))
     else:
         S = _round_up(max(lengths), seq_multiple)
-        full = torch.full((len(rows), S + 1), pad_id, dtype=torch.long)
-        for k, seq in enumerate(seqs):
-            full[k, :seq.numel()] = seq
+        b = len(rows)
+        k = torch.arange(b).repeat_interleave(S + 1)
+        s = torch.arange(S + 1).repeat(b)
+        full = _sequence_tokens(rows_t, k, s, pl, rl, prompt_ids, responses, pad_id).view(b, S + 1)
         ids, labels = full[:, :S].contiguous(), full[:, 1:].contiguous()
-        pos = torch.arange(S, dtype=torch.long).unsqueeze(0).expand(len(rows), S).contiguous()
-        seq_start = torch.arange(len(rows), dtype=torch.long) * S
+        pos = torch.arange(S, dtype=torch.long).unsqueeze(0).expand(b, S).contiguous()
+        seq_start = torch.arange(b, dtype=torch.long) * S
         extra = {}
     token_index, token_row, token_pos = _response_tokens(rows, seq_start, pl, rl)
     return MicroBatch(rows=rows_t, input_ids=ids, position_ids=pos, labels=labels, seq_start=seq_start,

@@ -101,6 +101,27 @@ def test_thd_packing_concatenates_restarts_positions_and_keeps_labels_in_sequenc
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 8, 13, 16]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gathered_layout_matches_row_by_row_concatenation_on_random_rows(packed):
+    g = torch.Generator().manual_seed(3)
+    B, P, T = 12, 7, 5
+    prompt_ids, responses = torch.randint(1, 50, (B, P), generator=g), torch.randint(1, 50, (B, T), generator=g)
+    pl, rl = torch.randint(1, P + 1, (B,), generator=g), torch.randint(0, T + 1, (B,), generator=g)
+    rl[4] = 0  # a row with an empty response
+    rows = [9, 4, 0, 11, 2, 7]
+    mb = build_microbatch(rows, prompt_ids, pl, responses, rl, pad_id=0, seq_multiple=4, packed=packed)
+    ids, labels = mb.input_ids.reshape(-1), mb.labels.reshape(-1)
+    covered = torch.zeros(ids.numel(), dtype=torch.bool)
+    for k, r in enumerate(rows):
+        seq = torch.cat([prompt_ids[r, :pl[r]], responses[r, :rl[r]]])
+        at = int(mb.seq_start[k]) + torch.arange(seq.numel())
+        assert ids[at].tolist() == seq.tolist()
+        assert labels[at].tolist() == seq[1:].tolist() + [0]
+        covered[at] = True
+    assert (ids[~covered] == 0).all() and (labels[~covered] == 0).all()
+    assert mb.token_labels().tolist() == [t for r in rows for t in responses[r, :rl[r]].tolist()]
+
+
 def _causal_prefix_features(ids: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
     """A stand-in for a causal model: at each position, (running sum, position in the sequence) of the
     tokens of its own sequence so far. segments: (row, start, length) of each sequence in ids [R, C]."""
