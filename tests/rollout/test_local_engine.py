@@ -112,6 +112,28 @@ def test_mtp_and_moe_models_sample_with_the_main_head_at_actor_log_probs(pgs, va
     assert [s.response_token_ids for s in full] == [s.response_token_ids for s in samples]
 
 
+@pytest.mark.parametrize("sq,sk", [(1, 7), (1, 40), (6, 6), (36, 36)])
+def test_generation_attention_paths_equal_megatron_core_attention(pgs, actor, sq, sk):
+    """Both paths of the generation's core attention (two matmuls per group up to SMALL_KEYS keys, SDPA
+    beyond) against Megatron's own DotProductAttention: a decode step (sq = 1) and a causal forward."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dapo.rollout.local_engine import _SdpaCoreAttention
+
+    core = bare(actor).decoder.layers[0].self_attention.core_attention
+    heads, groups, hn = core.num_attention_heads_per_partition, core.num_query_groups_per_partition, core.hidden_size_per_attention_head
+    assert heads > groups  # GQA: a group's heads share one K/V
+    g = torch.Generator().manual_seed(sq * 100 + sk)
+    b = 3
+    q, k, v = (torch.randn(n, b, h, hn, generator=g) for n, h in ((sq, heads), (sk, groups), (sk, groups)))
+    mask = None if sq == 1 else torch.ones(1, 1, sq, sk, dtype=torch.bool).triu(1)  # True = masked
+    with torch.no_grad():
+        want = core(q, k, v, mask, attn_mask_type=AttnMaskType.no_mask if sq == 1 else AttnMaskType.causal)
+        got = _SdpaCoreAttention(core)(q, k, v, None)
+    assert got.shape == (sq, b, heads * hn)
+    torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+
+
 def test_kv_cache_and_full_forward_sample_identical_tokens(pgs, actor):
     for sampling in (SamplingParams(max_new_tokens=8, n=1, temperature=0.0),
                      SamplingParams(max_new_tokens=8, n=3, temperature=1.0, top_k=5, top_p=0.9, seed=3)):
