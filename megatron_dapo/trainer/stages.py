@@ -77,7 +77,8 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     mine = list(range(rank, len(rollout), world))
-    texts = [tokenizer.decode(rollout.responses[i, : int(rollout.response_length[i])].tolist()) for i in mine]
+    responses, lengths = rollout.responses.tolist(), rollout.response_length.tolist()  # one copy, not one per row
+    texts = [tokenizer.decode(responses[i][: lengths[i]]) for i in mine]
     shard: dict = {"rows": mine, "score": [], "reward": [], "extra": {}, "error": None}
     try:
         if mine:

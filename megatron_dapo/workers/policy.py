@@ -321,8 +321,9 @@ class PolicyModel:
             if not pgs.is_last_pp_stage:
                 flat = local.new_zeros(K, total)
             dist.broadcast(flat, src=dist.get_global_rank(pgs.pp, pgs.pp_size - 1), group=pgs.pp)
-        rows = [r for shard in plan.shard_rows for r in shard]
-        index = torch.cat([r * width + torch.arange(int(rl[r])) for r in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        rows = torch.tensor([r for shard in plan.shard_rows for r in shard], dtype=torch.long)
+        lens = rl[rows]  # flat token t of row r (the k-th row, after the tokens of rows before) -> r * width + k
+        index = torch.arange(int(lens.sum())) + torch.repeat_interleave(rows * width - (lens.cumsum(0) - lens), lens)
         out = torch.zeros(K, rl.numel() * width)
         out[:, index] = flat.float().cpu()
         return out.view(K, rl.numel(), width)

@@ -146,6 +146,32 @@ def test_kv_cache_and_full_forward_sample_identical_tokens(pgs, actor):
                                        atol=1e-5, rtol=0)
 
 
+def test_prefill_runs_once_per_distinct_prefix_and_copies_the_cache_rows(pgs, actor):
+    """Rows whose prefill tokens agree (a prompt's n samples) share one prefill row: every row's cache and
+    last-position logits equal those of a prefill of that row alone, and the forward saw 3 rows, not 5."""
+    from megatron_dapo.rollout.local_engine import _CachedStepper
+
+    e = engine(bare(actor), pgs)
+    prompt = torch.tensor([[3, 4, 5], [6, 7, 8], [3, 4, 5], [3, 4, 5], [2, 9, 9]])
+    rows_seen = []
+    hook = e.inner.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    try:
+        with e._generation_mode():
+            shared = _CachedStepper(e, prompt, 4)
+            got = shared.prefill()
+            alone = [_CachedStepper(e, row[None], 4) for row in prompt]
+            want = torch.cat([stepper.prefill() for stepper in alone])
+    finally:
+        hook.remove()
+    assert rows_seen == [3, 1, 1, 1, 1, 1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert len(shared.ctx.key_value_memory_dict) == len(bare(actor).decoder.layers)
+    for layer, cache in shared.ctx.key_value_memory_dict.items():
+        for i, stepper in enumerate(alone):
+            for t, ref in zip(cache, stepper.ctx.key_value_memory_dict[layer], strict=True):
+                torch.testing.assert_close(t[:3, i], ref[:3, 0], atol=1e-5, rtol=0)
+
+
 def test_seeded_samples_do_not_depend_on_batching_or_prompt_order(pgs, actor):
     sampling = SamplingParams(max_new_tokens=6, n=3, temperature=1.0, seed=5)
     wide = engine(bare(actor), pgs).generate(PROMPTS, sampling)
