@@ -37,7 +37,8 @@ N, RESP, CLAIM, GEN_BATCH, READ_GROUPS = 4, 512, 6, 24, 16
 TINY = ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
         "data.max_response_length=6", "reward.overlong_buffer.len=4", "algorithm.filter_groups.metric=seq_reward",
         "data.arithmetic.num_train=200", "data.arithmetic.num_val=8", "trainer.sft_warmup_steps=0",
-        "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=1e-3", "trainer.logger=[tensorboard]",
+        "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=1e-3", "actor.adam_beta2=0.999",
+        "trainer.logger=[tensorboard]",
         "trainer.save_freq=-1"]
 
 

@@ -95,6 +95,7 @@ OUR_OVERRIDES = [
     "actor.clip_ratio_high=0.28",
     "actor.loss_agg_mode=token-mean", "actor.use_kl_loss=false", "actor.entropy_coeff=0.0",
     "actor.lr_warmup_steps=0", "actor.lr_decay_style=constant", "actor.clip_grad=1.0",
+    "actor.lr=3e-4", "actor.adam_beta2=0.999",  # the embedded default's until 2026-12 (figures stay comparable)
     "algorithm.filter_groups.enable=false", "algorithm.use_kl_in_reward=false",
     "algorithm.norm_adv_by_std_in_grpo=true", "reward.overlong_buffer.enable=false", "reward.timeout_s=0",
     "trainer.sft_warmup_steps=0", "trainer.test_freq=0", "trainer.val_before_train=false",

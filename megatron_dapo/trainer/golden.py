@@ -29,7 +29,8 @@ OVERRIDES = ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", 
              "data.max_response_length=6", "reward.overlong_buffer.len=4", "algorithm.filter_groups.metric=seq_reward",
              "data.arithmetic.num_train=200", "data.arithmetic.num_val=8", "trainer.sft_warmup_steps=0",
              "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[]",
-             "trainer.total_training_steps=4", "actor.lr=1e-3", "trainer.experiment_name=golden"]
+             "trainer.total_training_steps=4", "actor.lr=1e-3", "actor.adam_beta2=0.999",
+             "trainer.experiment_name=golden"]
 
 
 def golden_losses() -> list[tuple[int, float, float]]:

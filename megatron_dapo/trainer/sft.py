@@ -20,7 +20,8 @@ Measured on the embedded default: the 100-step ramp brought the carry phase in f
 sooner (1000-1700 steps) but left a policy DAPO could not lift (held-out 0.33 -> 0.16 after 50 RL
 steps at lr 3e-4, flat at 1e-4): a decayed learning rate ends in a sharper minimum. Batch 128 reached
 it in 650-1100 steps, but RL from there plateaued (seed 1: 0.42 -> 0.56 in 300 steps, with half the
-groups all-wrong or all-right).
+groups all-wrong or all-right); with today's RL (64 x 4, lr 1e-3, beta2 0.98) it reached the target in
+550 steps (seed 42) and RL fell from 0.33 to 0.22 in 100 steps, 0.42 at step 250.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.trainer import sft
 from megatron_dapo.trainer.run import build_parts
 
-SMALL = ["data.arithmetic.num_train=64", "data.arithmetic.num_val=8", "trainer.sft_warmup_lr=2e-3"]
+SMALL = ["data.arithmetic.num_train=64", "data.arithmetic.num_val=8", "trainer.sft_warmup_lr=2e-3",
+         "data.train_batch_size=16", "data.gen_batch_size=16", "actor.ppo_mini_batch_size=16"]
 
 
 def _parts(tmp_path, *extra):
