@@ -311,6 +311,13 @@ class RolloutBatch:
         return self.responses.shape[0]
 
 
+def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[len(rows), width] tensor of the rows, each right-padded with `fill`, built in one call (a copy per
+    row cost ~20 ms per 384 rows on CPU)."""
+    return torch.tensor([(*r, *(fill,) * (width - len(r))) for r in rows], dtype=dtype,
+                        device=device).view(len(rows), width)
+
+
 def samples_to_batch(samples: Sequence[Sample], *, pad_id: int, max_response_length: int) -> RolloutBatch:
     """Pad `samples` into a RolloutBatch of response width `max_response_length` (a fixed T)."""
     if not samples:
@@ -325,15 +332,11 @@ def samples_to_batch(samples: Sequence[Sample], *, pad_id: int, max_response_len
                 f"samples_to_batch: row {row} (prompt_id={s.prompt_id!r}, sample_index={s.sample_index}) has "
                 f"{len(s.response_token_ids)} response tokens > max_response_length={max_response_length}"
             )
-    B, T = len(samples), max_response_length
+    T = max_response_length
     P = max(len(s.prompt_token_ids) for s in samples)
-    # Padded Python rows and one tensor each: a copy per row cost ~20 ms per 384 rows (CPU).
-    prompt_ids = torch.tensor([(*s.prompt_token_ids, *(pad_id,) * (P - len(s.prompt_token_ids))) for s in samples],
-                              dtype=torch.int64).view(B, P)
-    responses = torch.tensor([(*s.response_token_ids, *(pad_id,) * (T - len(s.response_token_ids)))
-                              for s in samples], dtype=torch.int64)
-    log_probs = torch.tensor([(*s.rollout_log_probs, *(0.0,) * (T - len(s.rollout_log_probs))) for s in samples],
-                             dtype=torch.float32)
+    prompt_ids = right_padded([s.prompt_token_ids for s in samples], P, pad_id, torch.int64)
+    responses = right_padded([s.response_token_ids for s in samples], T, pad_id, torch.int64)
+    log_probs = right_padded([s.rollout_log_probs for s in samples], T, 0.0, torch.float32)
     response_length = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.int64)
     response_mask = (torch.arange(T).unsqueeze(0) < response_length.unsqueeze(1)).to(torch.float32)
     return RolloutBatch(

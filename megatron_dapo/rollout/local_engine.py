@@ -19,7 +19,7 @@ How a call runs:
    then `increment_sequence_len_offset(P)`, `enable_decode_mode()` and one token per forward.
    The prefill runs once per distinct row of the batch's first Pmin tokens (the n samples of a
    prompt share theirs) and each layer's cache rows are copied to the duplicates: with n = 4 it
-   costs a quarter of the FLOPs (384 rows of 6 tokens, CPU: about 75 -> 35 ms). Only while every
+   costs a quarter of the FLOPs (384 rows of 5-6 tokens, CPU: about 65 -> 27 ms). Only while every
    core attention is the local one (`_SdpaCoreAttention`), whose cache is one [S, b, ng, hn]
    (key, value) pair per layer.
    Without the cache every step re-runs the whole sequence (the reference path, and the
@@ -92,6 +92,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_generate_inputs,
     derive_sample_seed,
+    right_padded,
 )
 
 __all__ = ["LocalEngine", "filter_logits", "sample_next_tokens"]
@@ -360,9 +361,7 @@ class LocalEngine(RolloutEngine):
         dev = self.device
         lengths = torch.tensor([len(p.token_ids) for p, _ in rows], device=dev)  # P_i [b]
         p_min, p_max = int(lengths.min()), int(lengths.max())
-        pad = (self.pad_token_id,)
-        prompt = torch.tensor([(*p.token_ids, *pad * (p_max - len(p.token_ids))) for p, _ in rows],
-                              dtype=torch.long, device=dev)  # [b, Pmax]
+        prompt = right_padded([p.token_ids for p, _ in rows], p_max, self.pad_token_id, torch.long, dev)  # [b, Pmax]
         uniforms = None  # [b, max_new]: row i's t-th token is drawn with uniforms[i, t]
         if sampling.seed is not None and sampling.temperature > 0:
             uniforms = torch.stack([

@@ -322,7 +322,7 @@ class PolicyModel:
                 flat = local.new_zeros(K, total)
             dist.broadcast(flat, src=dist.get_global_rank(pgs.pp, pgs.pp_size - 1), group=pgs.pp)
         rows = torch.tensor([r for shard in plan.shard_rows for r in shard], dtype=torch.long)
-        lens = rl[rows]  # flat token t of row r (the k-th row, after the tokens of rows before) -> r * width + k
+        lens = rl[rows]  # token j of row r sits at (tokens of the rows before r) + j in flat; it goes to r * width + j
         index = torch.arange(int(lens.sum())) + torch.repeat_interleave(rows * width - (lens.cumsum(0) - lens), lens)
         out = torch.zeros(K, rl.numel() * width)
         out[:, index] = flat.float().cpu()
