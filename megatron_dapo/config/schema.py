@@ -531,7 +531,7 @@ class TrainerConfig:
     sft_warmup_batch_size: int = 64
     """Answers per supervised warm-up step."""
     sft_warmup_target_acc: float = 0.0
-    """Stop the warm-up early once the policy's accuracy on the first 256 training problems (sampled with rollout.val_kwargs, mean@n; checked every 100 steps far from the target, every 25 near it) reaches this, so RL starts from a policy that is sometimes right whatever the seed; 0 = run exactly sft_warmup_steps."""
+    """Stop the warm-up early once the policy's accuracy on the first 256 training problems (sampled with rollout.val_kwargs, mean@n; checked every 6,400 training examples far from the target, every 1,600 near it) reaches this, so RL starts from a policy that is sometimes right whatever the seed; 0 = run exactly sft_warmup_steps."""
 
     def __post_init__(self):
         _check(self.total_training_steps >= 1, "trainer.total_training_steps", ">= 1", self.total_training_steps)

@@ -42,7 +42,7 @@ def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
 
 
 def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(sft, "PROBE_GAPS", ((0.25, 8), (0.6, 4), (float("inf"), 2)))
+    monkeypatch.setattr(sft, "PROBE_GAPS", ((0.25, 64), (0.6, 32), (float("inf"), 16)))  # examples: 8, 4, 2 steps
     cfg, parts = _parts(tmp_path, "trainer.sft_warmup_steps=40", "trainer.sft_warmup_target_acc=0.3",
                         "trainer.sft_warmup_batch_size=8")
     examples = arithmetic_sft_examples(parts.train_data, parts.tokenizer)
@@ -56,7 +56,8 @@ def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path, monk
     # 0.05 < 0.25 x target: 8 steps to the next check; 0.1, 0.15 < 0.6 x target: 4; 0.29 (near it): 2
     assert steps_at_check == [8, 16, 20, 24, 26]
     assert (m["sft/steps"], m["sft/probe_acc"]) == (26, 0.31)
-    assert [sft.next_probe_gap(a, 0.3) for a in (None, 0.0, 0.074, 0.075, 0.179, 0.18, 0.5)] == [8, 8, 8, 4, 4, 2, 2]
+    assert [sft.next_probe_gap(a, 0.3, 8) for a in (None, 0.0, 0.074, 0.075, 0.179, 0.18, 0.5)] == [8, 8, 8, 4, 4, 2, 2]
+    assert [sft.next_probe_gap(a, 0.3, 20) for a in (None, 0.1, 0.2)] == [3, 2, 1]  # 64/20, 32/20, 16/20 rounded, >= 1
     with pytest.raises(ValueError, match="needs a probe"):
         sft.sft_warmup(parts.actor, examples, load_config("configs/tiny_cpu.yaml", SMALL + [
             f"trainer.output_dir={tmp_path}/b", "trainer.sft_warmup_steps=8", "trainer.sft_warmup_target_acc=0.3"]),
