@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 
 # Training examples to the next accuracy check (trainer.sft_warmup_target_acc), by the fraction of the target
 # the last check reached: (below this fraction, examples); the first check comes after PROBE_GAPS[0][1]
-# examples. In examples, not steps: the carry phase takes about as many examples at any batch size, so a
-# batch of 128 checks every 12 steps near the target, where 64 checks every 25.
+# examples. In examples, not steps: how far the accuracy moves between checks follows the examples seen, so
+# a batch of 128 checks every 12 steps near the target, where 64 checks every 25.
 PROBE_GAPS = ((0.25, 6400), (0.6, 3200), (float("inf"), 1600))
 PROBE_SIZE = 256  # training problems the check samples
 
