@@ -108,7 +108,7 @@ def evaluate(args) -> dict[str, float]:
 
         engine = LocalEngine(model, pgs=pgs, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     else:
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+        from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
         if not args.sglang_url:
             raise SystemExit("--engine sglang needs --sglang-url (one per server)")

@@ -1,4 +1,4 @@
-"""Bytes moved per weight sync, per rank role, for each transport (rollout/sglang_sync.py).
+"""Bytes moved per weight sync, per rank role, for each transport (rollout/sglang/sync.py).
 
     python -m megatron_dapo.plan --config configs/dapo_qwen2.5_32b.yaml     # prints this with the memory plan
 

@@ -13,7 +13,7 @@ tensors. Any parallel layout loads from it and gathers back to it:
   parameter of this rank, TP-gathered to the writer only; exactly one rank in the world is the
   writer of each name (pipeline stages and expert-parallel ranks write their own parts).
 - `gather_stage_state(model, pgs=...)`: every tensor of a pipeline stage, experts of all EP ranks
-  included, on the stage's first rank only (the weight sync's sender; see rollout/sglang_sync.py).
+  included, on the stage's first rank only (the weight sync's sender; see rollout/sglang/sync.py).
 
 Transformer-Engine parameter names (norms fused into linear_qkv / linear_fc1, grouped
 experts `weight{j}`) are translated to the local names here, so checkpoints do not depend on
@@ -248,7 +248,7 @@ def gather_stage_state(model, *, pgs, traffic: dict | None = None
     expert-TP, then over EP, so the sender also gets the experts of every EP rank (global expert
     indices). Only the sender ever holds a full tensor, one parameter at a time; nothing is copied to
     host. Every rank knows every size without a tensor (shard size x TP), so all ranks of a stage can
-    cut the same buckets without talking to each other (rollout/sglang_sync.py relies on it).
+    cut the same buckets without talking to each other (rollout/sglang/sync.py relies on it).
     """
     inner = _unwrap(model)
     sender = is_stage_sender(pgs)

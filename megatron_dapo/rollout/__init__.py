@@ -1,7 +1,7 @@
-"""Rollout engines: the contract (`base`), the SGLang engine (`sglang_engine`, with server launch in
-`sglang_server` and weight sync in `sglang_weights`) and the local Megatron engine.
+"""Rollout engines: the contract (`base`), the SGLang engine (the `sglang` package: HTTP client, server
+launch, weight sync) and the local Megatron engine.
 
-Import engines from their modules (`from megatron_dapo.rollout.sglang_engine import SGLangEngine`);
+Import engines from their modules (`from megatron_dapo.rollout.sglang.engine import SGLangEngine`);
 this package exports only the contract, so importing it stays light.
 """
 

@@ -8,7 +8,7 @@ What a sync does:
    weight sets never share a label) and not below any engine's current version; bucket_mb > 0.
 2. Walks the unwrapped GPTModel's parameters, then its buffers (`named_weights`), by the names
    LocalEngine.update_weights takes, and groups them into buckets of at most `bucket_mb` MiB
-   (a larger tensor travels alone; rollout/sglang_weights.bucket_named_tensors).
+   (a larger tensor travels alone; rollout/sglang/weights.bucket_named_tensors).
 3. Sends every bucket to every engine. All buckets but the last go out under the engine's
    current version and the last one under the new version, so an engine reports the new version
    only once all of its weights have landed. An EnginePool moves each bucket to CPU and puts it in
@@ -33,7 +33,7 @@ import torch
 
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.rollout.base import RolloutEngine, RolloutEngineError
-from megatron_dapo.rollout.sglang_weights import buckets_with_last, tensor_nbytes
+from megatron_dapo.rollout.sglang.weights import buckets_with_last, tensor_nbytes
 
 __all__ = ["named_weights", "SyncStats", "WeightSyncer", "sync_weights"]
 

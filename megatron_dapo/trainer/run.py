@@ -63,7 +63,7 @@ def _urls(servers) -> list[str]:
 
 
 def _connect(cfg: Config, urls: list[str]):
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
     r = cfg.rollout
     return SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
@@ -77,7 +77,7 @@ def _launch_sglang(cfg: Config) -> list:
     launched on this node (loopback by default). Returns objects with `.stop()` (and `.url`/`.urls`)."""
     import dataclasses
 
-    from megatron_dapo.rollout.sglang_server import SGLangServerSpec, launch_servers
+    from megatron_dapo.rollout.sglang.server import SGLangServerSpec, launch_servers
 
     r = cfg.rollout
     if not cfg.model.hf_path:
@@ -100,7 +100,7 @@ def _launch_sglang(cfg: Config) -> list:
         for i in range(n)]
     log_dir = os.path.join(cfg.run_dir, "sglang")
     if on_ray:
-        from megatron_dapo.rollout.ray_sglang import place_sglang_servers
+        from megatron_dapo.rollout.sglang.placement import place_sglang_servers
 
         host = "auto" if r.server_host == "127.0.0.1" else r.server_host  # reachable from rank 0's node
         return [place_sglang_servers([dataclasses.replace(s, host=host) for s in specs], log_dir=log_dir)]
@@ -108,11 +108,11 @@ def _launch_sglang(cfg: Config) -> list:
 
 
 def _drafter(cfg: Config, *, vocab_size: int, version: str | None = None, transport: str | None = None):
-    """How the weight sync treats the MTP layers (rollout/sglang_drafter.py) for servers of release `version`
+    """How the weight sync treats the MTP layers (rollout/sglang/drafter.py) for servers of release `version`
     (None: the checks that hold in every release)."""
     from megatron_dapo.models.hf import hf_model_type
-    from megatron_dapo.rollout.sglang_drafter import drafter_sync
-    from megatron_dapo.rollout.sglang_versions import features_for
+    from megatron_dapo.rollout.sglang.drafter import drafter_sync
+    from megatron_dapo.rollout.sglang.versions import features_for
     from megatron_dapo.workers.model_arch import model_arch
 
     arch, algorithm = model_arch(cfg, vocab_size=vocab_size), cfg.rollout.speculative.algorithm
@@ -135,7 +135,7 @@ def _server_set(engine, pgs, nodes_given=()):
     import socket
     from urllib.parse import urlparse
 
-    from megatron_dapo.rollout.sglang_sync import ServerSet
+    from megatron_dapo.rollout.sglang.sync import ServerSet
 
     info = [None]
     if pgs.rank == 0:
@@ -173,8 +173,8 @@ def _server_set(engine, pgs, nodes_given=()):
 def weight_sync(cfg: Config, parts):
     """The per-step actor -> engine sync: the local engine shares the actor's weights (only the version
     changes); SGLang servers get every tensor of every pipeline stage from the stages' senders
-    (rollout/sglang_sync.py), in buckets of rollout.weight_sync_bucket_mb. With rollout.speculative.auto
-    the sync also runs the with / without speculation comparison (rollout/sglang_autospec.py) and returns
+    (rollout/sglang/sync.py), in buckets of rollout.weight_sync_bucket_mb. With rollout.speculative.auto
+    the sync also runs the with / without speculation comparison (rollout/sglang/autospec.py) and returns
     its metrics."""
     if cfg.rollout.engine == "local":
         return lambda version: parts.engine.update_weights(None, policy_version=version)
@@ -184,7 +184,7 @@ def weight_sync(cfg: Config, parts):
     import dataclasses
 
     from megatron_dapo.rollout.base import SamplingParams
-    from megatron_dapo.rollout.sglang_autospec import AutoSpeculation, SpeculationProbe, same_sampling
+    from megatron_dapo.rollout.sglang.autospec import AutoSpeculation, SpeculationProbe, same_sampling
 
     def mode(on: bool) -> Config:
         off = dataclasses.replace(spec, algorithm=spec.algorithm if on else None, auto=False)
@@ -207,7 +207,7 @@ def weight_sync(cfg: Config, parts):
 def _sglang_push(cfg: Config, parts):
     """The plain SGLang sync (weight_sync) for servers of cfg's speculative mode."""
     from megatron_dapo.models.forward import unwrap_model
-    from megatron_dapo.rollout.sglang_sync import MIB, SGLangWeightSync, WeightSyncError
+    from megatron_dapo.rollout.sglang.sync import MIB, SGLangWeightSync, WeightSyncError
     from megatron_dapo.workers.model_arch import model_arch
 
     r, pgs, engine = cfg.rollout, parts.pgs, parts.engine

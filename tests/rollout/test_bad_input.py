@@ -95,7 +95,7 @@ def test_token_outside_the_vocabulary_fails_before_any_forward(engine_and_forwar
 def test_sglang_engine_refuses_a_prompt_longer_than_the_server_context_before_sending(tmp_path):
     """Issue #15 item 1: the server reports its --context-length in /server_info; the engine refuses a
     prompt + max_new_tokens beyond it before any request (SGLang would only cut max_new_tokens)."""
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from tests.standin import StandinServer
 
     with StandinServer(toy=True, args=["--context-length", "16"], log_dir=tmp_path) as server:

@@ -7,9 +7,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams  # noqa: E402
-from megatron_dapo.rollout.ray_sglang import place_sglang_servers  # noqa: E402
-from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServerSpec  # noqa: E402
+from megatron_dapo.rollout.sglang.engine import SGLangEngine  # noqa: E402
+from megatron_dapo.rollout.sglang.placement import place_sglang_servers  # noqa: E402
+from megatron_dapo.rollout.sglang.server import SGLangServerSpec  # noqa: E402
 from tests.standin import LAUNCHER  # noqa: E402
 
 

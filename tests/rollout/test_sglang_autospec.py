@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import PromptInput, RolloutEngineError, SamplingParams
-from megatron_dapo.rollout.sglang_autospec import (
+from megatron_dapo.rollout.sglang.autospec import (
     AutoSpeculation,
     SpeculationProbe,
     ThroughputMeter,

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
-from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
 from tests.standin import StandinServer
 
 SAVER = ["--enable-memory-saver", "--enable-deterministic-inference"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rollout.sglang_versions import features_for
+from megatron_dapo.rollout.sglang.versions import features_for
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 SCHEDULER = ("sglang/srt/managers/scheduler_update_weights_mixin.py",        # to 0.5.12

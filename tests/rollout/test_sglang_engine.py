@@ -7,7 +7,7 @@ import time
 import pytest
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams, check_generate_output, derive_sample_seed
-from megatron_dapo.rollout.sglang_engine import (
+from megatron_dapo.rollout.sglang.engine import (
     EngineReplyError,
     EngineRequestError,
     EngineTimeoutError,

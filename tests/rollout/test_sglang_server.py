@@ -9,9 +9,9 @@ import pytest
 import requests
 import torch
 
-from megatron_dapo.rollout import sglang_weights as sw
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.rollout.sglang import weights as sw
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import (
     ServerStartError,
     SGLangServerSpec,
     build_launch_command,
@@ -270,7 +270,7 @@ def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_
     import pathlib
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.rollout import sglang_server
+    from megatron_dapo.rollout.sglang import server as sglang_server
     from megatron_dapo.trainer import run as run_mod
 
     root = pathlib.Path(__file__).resolve().parents[2]
@@ -294,7 +294,7 @@ def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tm
     import types
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.rollout import sglang_engine
+    from megatron_dapo.rollout.sglang import engine as sglang_engine
     from megatron_dapo.trainer import run as run_mod
 
     root = pathlib.Path(__file__).resolve().parents[2]

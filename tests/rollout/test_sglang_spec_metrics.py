@@ -11,8 +11,8 @@ import pytest
 
 from megatron_dapo.metrics import compute_spec_decode_metrics
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_versions import features_for
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.versions import features_for
 from tests.standin import StandinServer
 
 PROMPTS = [PromptInput("a", (3, 1, 4)), PromptInput("b", (1, 5, 9))]

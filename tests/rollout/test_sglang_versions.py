@@ -10,14 +10,14 @@ import torch
 import torch.multiprocessing as tmp
 
 from megatron_dapo.rollout.base import PromptInput, RolloutEngineError, SamplingParams
-from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang.server import (
     SGLangServerSpec,
     build_launch_command,
     launch_server,
     wait_for_health,
 )
-from megatron_dapo.rollout.sglang_versions import (
+from megatron_dapo.rollout.sglang.versions import (
     SUPPORTED,
     UnsupportedSGLangVersion,
     features_for,

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from megatron_dapo.rollout import sglang_weights as sw
 from megatron_dapo.rollout.base import RolloutEngineError
-from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang import weights as sw
+from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
 from tests.standin import StandinServer, expected_checksums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -193,7 +193,7 @@ def test_servers_that_answer_but_never_join_fail_the_group_fast_and_the_sender_e
         # The sender in a process of its own: the error comes fast, and the process then exits at once
         # (the join thread, still blocked on the store, must not hold the interpreter's exit).
         sender = ("import sys\n"
-                  "from megatron_dapo.rollout import sglang_sync as s\n"
+                  "from megatron_dapo.rollout.sglang import sync as s\n"
                   "s.JOIN_AFTER_REPLY_S = 1.0\n"
                   f"servers = s.ServerSet(urls=('http://127.0.0.1:{port}',), tp_sizes=(1,))\n"
                   "try:\n"

@@ -12,7 +12,7 @@ import torch
 from megatron_dapo.config import load_config
 from megatron_dapo.rollout.base import PromptInput, RolloutEngine, SamplingParams, samples_to_batch
 from megatron_dapo.rollout.local_engine import LocalEngine
-from megatron_dapo.rollout.sglang_weights import MIB
+from megatron_dapo.rollout.sglang.weights import MIB
 from megatron_dapo.rollout.weight_sync import WeightSyncer, named_weights, sync_weights
 
 VOCAB, PAD, EOS = 16, 0, 1

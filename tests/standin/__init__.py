@@ -14,7 +14,7 @@
 `StandinServer(...)` only describes the server; `start()` launches `python -m tests.standin.server` on
 a free loopback port (or `port=`), waits for /health (200 once the model is loaded) and returns self;
 `stop()` ends it (SIGTERM, then SIGKILL) and `kill()` SIGKILLs it at once. `command()` gives the argv
-(the flags `sglang_server.build_launch_command` would emit, after `launcher`), for tests that go
+(the flags `sglang.server.build_launch_command` would emit, after `launcher`), for tests that go
 through `launch_server` themselves. `expected_checksums(named_tensors)` is what `checksums()` reports
 for tensors that arrived intact.
 """

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
 from tests.models.conftest import make_hf_model
 from tests.standin import LAUNCHER, StandinServer, expected_checksums, free_port
 
@@ -41,7 +41,7 @@ def test_a_distributed_update_reaches_the_toy_drafter_only_from_0_5_21(tmp_path,
 def test_a_tensor_update_reaches_the_drafter_before_0_5_21_unless_disabled(tmp_path, file_system_sharing):
     import requests
 
-    from megatron_dapo.rollout import sglang_weights as sw
+    from megatron_dapo.rollout.sglang import weights as sw
 
     named = [("a", torch.arange(4.0))]
     with StandinServer(toy=True, emulate_version="0.5.20", args=["--speculative-algorithm", "NEXTN"],

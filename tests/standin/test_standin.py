@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
-from megatron_dapo.rollout.sglang_engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
 from tests.models.conftest import make_hf_model
 from tests.standin import LAUNCHER, StandinServer, expected_checksums, free_port
 from tests.standin.protocol import ASSETS

@@ -5,7 +5,7 @@ A server launched with --tp-size K runs K receiver ranks (threads of the server 
 thread each, so every rank enters each collective concurrently as SGLang's K scheduler processes
 do). For /init_weights_update_group each rank joins the named group as rank `rank_offset + tp_rank`
 of `world_size`; a server can hold several named groups at once (one per trainer sender). The
-group is the one the trainer's `sglang_weights.init_weight_update_group` builds: TCP rendezvous at
+group is the one the trainer's `sglang.weights.init_weight_update_group` builds: TCP rendezvous at
 master_address:master_port, a store prefixed with the group name, and the gloo backend under the
 prefixes torch's `_new_process_group_helper` uses ("<group>/", "cpu/"), built directly here because
 torch allows a group name once per process and the K ranks share this process.

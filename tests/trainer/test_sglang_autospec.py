@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_dapo.config import load_config
-from megatron_dapo.rollout import sglang_server
+from megatron_dapo.rollout.sglang import server as sglang_server
 from megatron_dapo.trainer.run import run
 from tests.standin import LAUNCHER, free_port
 from tests.trainer.test_sglang_drafter import hf_moe

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from megatron_dapo.rollout.sglang_drafter import drafter_sync
+from megatron_dapo.rollout.sglang.drafter import drafter_sync
 from tests.standin import StandinServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -142,12 +142,12 @@ def test_with_two_pipeline_stages_the_last_stage_sends_the_drafter(hf_dir, tmp_p
 
 
 def test_the_drafter_sync_per_release_and_model():
-    """The decision table (rollout/sglang_drafter.py) on the releases' features."""
+    """The decision table (rollout/sglang/drafter.py) on the releases' features."""
     import dataclasses
 
     from megatron_dapo.models.arch import get_arch
-    from megatron_dapo.rollout.sglang_drafter import DrafterSync, DrafterSyncUnsupported
-    from megatron_dapo.rollout.sglang_versions import features_for
+    from megatron_dapo.rollout.sglang.drafter import DrafterSync, DrafterSyncUnsupported
+    from megatron_dapo.rollout.sglang.versions import features_for
 
     moe = get_arch("tiny_moe", mtp_num_layers=1)
     kw = dict(algorithm="NEXTN", arch=moe, model_type="qwen3_moe")

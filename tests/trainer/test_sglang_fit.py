@@ -54,7 +54,7 @@ def test_fit_with_the_sglang_engine_generates_over_http_and_syncs_hf_weights(tmp
 def test_fit_syncs_weights_to_a_server_process_with_the_default_sharing_strategy(tmp_path):
     """The default torch sharing strategy (file descriptors, which only the sender's own children can
     open) is what a trainer runs with: the sync must not depend on it (it sends over a weight-update
-    group, rollout/sglang_sync.py). Before the rework the server died on the first bucket."""
+    group, rollout/sglang/sync.py). Before the rework the server died on the first bucket."""
     assert tmp.get_sharing_strategy() == "file_descriptor"
     with _server(tmp_path) as server:
         assert run(_cfg(server.url, tmp_path)) == 0

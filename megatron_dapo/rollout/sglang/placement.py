@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_dapo.rollout.sglang_server import SGLangServerSpec, launch_servers
+from megatron_dapo.rollout.sglang.server import SGLangServerSpec, launch_servers
 
 _DEFAULT_LAUNCHER = (sys.executable, "-m", "sglang.launch_server")
 

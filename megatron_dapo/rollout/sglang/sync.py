@@ -52,8 +52,8 @@ import torch.distributed as dist
 from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.models.hf import iter_stage_hf_groups
 from megatron_dapo.models.weights import is_stage_sender
-from megatron_dapo.rollout import sglang_weights as sw
-from megatron_dapo.rollout.sglang_payloads import post_control
+from megatron_dapo.rollout.sglang import weights as sw
+from megatron_dapo.rollout.sglang.payloads import post_control
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class SGLangWeightSync:
         whether it is the node's first rank (default: torchrun's GROUP_RANK and LOCAL_RANK == 0).
         drop_mtp=False sends the MTP layers too, under the drafter's names; selector: the `selector` of
         every update body (SGLang 0.5.21+: "all" loads into the target and the drafter), None = absent
-        (rollout/sglang_drafter.py decides both)."""
+        (rollout/sglang/drafter.py decides both)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_transport must be one of {TRANSPORTS}, got {transport!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:

@@ -5,7 +5,7 @@ A server is `python -m sglang.launch_server` with SGLang's documented flags (`--
 models `--speculative-algorithm EAGLE|NEXTN`, `--speculative-num-steps`, `--speculative-eagle-topk`,
 `--speculative-num-draft-tokens`, `--speculative-draft-model-path` (the model path by default: the MTP
 layer lives in the target's checkpoint, and SGLang defaults the flag only for DeepSeek-style
-architectures)), every one present in each supported release (sglang_versions;
+architectures)), every one present in each supported release (sglang.versions;
 tests launch the stand-in of each release with these commands, whose parser is that release's).
 Servers bind to loopback unless a cluster-internal address is given. `--enable-memory-saver` is
 required for /release_memory_occupation (colocation) and `--enable-deterministic-inference` for

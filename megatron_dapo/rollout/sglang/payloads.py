@@ -12,7 +12,7 @@ Reply: a list, one result per item in order: `{"text", "output_ids", "meta_info"
 "output_token_logprobs": [[logprob, token_id, text|null], ...], speculative counters}}`. Response
 tokens are read from `output_token_logprobs` and cross-checked with `output_ids` and
 `completion_tokens` when present; a mismatch raises EngineReplyError naming the request and field.
-The counters' names depend on the release (sglang_versions); they become
+The counters' names depend on the release (sglang.versions); they become
 Sample.meta["spec_draft_tokens" | "spec_accepted_tokens" | "spec_verify_ct"].
 """
 
@@ -31,7 +31,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     derive_sample_seed,
 )
-from megatron_dapo.rollout.sglang_versions import SPEC_VERIFY_KEY, ReleaseFeatures
+from megatron_dapo.rollout.sglang.versions import SPEC_VERIFY_KEY, ReleaseFeatures
 
 
 class EngineReplyError(RolloutEngineError):

@@ -7,7 +7,7 @@ whatever its parameters held), and only the weight sync keeps it in step: the ac
 (model.mtp_num_layers=1) and every sync sends it under the drafter's names (models/hf.py). Without that
 the drafter drifts from the moving policy and acceptance, hence rollout speed, decays.
 
-What each release allows (sglang_versions, read from the wheels):
+What each release allows (sglang.versions, read from the wheels):
 
 - an MTP drafter exists for Qwen3-MoE from 0.5.13 (Qwen3MoeForCausalLMMTP), for no other Qwen model;
 - /update_weights_from_tensor (rollout.weight_transport=ipc, colocated servers) reaches the drafter in
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.rollout.base import RolloutEngineError
-from megatron_dapo.rollout.sglang_versions import CHANGES, ReleaseFeatures
+from megatron_dapo.rollout.sglang.versions import CHANGES, ReleaseFeatures
 
 EVER_DRAFTED = tuple(sorted({t for _, change in CHANGES for t in change.get("mtp_drafters", ())}))
 """HF model types some supported release drafts from (qwen3_moe)."""

@@ -1,11 +1,11 @@
 """SGLang rollout engine: an HTTP client of one or more SGLang servers (`RolloutEngine`).
 
-Supported releases: sglang_versions.SUPPORTED (0.5.8 to 0.5.23). At construction the engine reads
+Supported releases: versions.SUPPORTED (0.5.8 to 0.5.23). At construction the engine reads
 every server's /server_info (its `version`, `context_length`, `enable_deterministic_inference`)
 and refuses a release outside the range with UnsupportedSGLangVersion; what differs per release
-(routes, counter names, weight-update sessions) comes from `sglang_versions.features_for`.
+(routes, counter names, weight-update sessions) comes from `versions.features_for`.
 
-Protocol (the request and reply layout: sglang_payloads):
+Protocol (the request and reply layout: sglang.payloads):
 
 - POST /generate with a batch of up to `max_batch_size` items. n > 1 is expanded here into n batch
   items (SGLang's own `n` reorders batch outputs); with a seed, item j of prompt p gets
@@ -21,7 +21,7 @@ Protocol (the request and reply layout: sglang_payloads):
 - POST /abort_request {"abort_all": true}: in-flight requests finish with finish_reason "abort"
   and their partial output. GET /health, /health_generate, /model_info (0.5.8+).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
-  Weight updates: see sglang_weights.py; from 0.5.21 the distributed and tensor updates run inside
+  Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
 
 Concurrency: at most `max_concurrency` requests in flight per server (blocking `requests` calls on
@@ -47,7 +47,6 @@ from typing import Any
 import requests
 import torch
 
-from megatron_dapo.rollout import sglang_weights as sw
 from megatron_dapo.rollout.base import (
     PromptInput,
     RolloutEngine,
@@ -56,7 +55,8 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_generate_inputs,
 )
-from megatron_dapo.rollout.sglang_payloads import (  # noqa: F401  (re-exported: the engine's API)
+from megatron_dapo.rollout.sglang import weights as sw
+from megatron_dapo.rollout.sglang.payloads import (  # noqa: F401  (re-exported: the engine's API)
     EngineReplyError,
     EngineRequestError,
     EngineTimeoutError,
@@ -67,7 +67,7 @@ from megatron_dapo.rollout.sglang_payloads import (  # noqa: F401  (re-exported:
     post_control,
     spec_fields,
 )
-from megatron_dapo.rollout.sglang_versions import SELECTORS, UnsupportedSGLangVersion, server_facts
+from megatron_dapo.rollout.sglang.versions import SELECTORS, UnsupportedSGLangVersion, server_facts
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class SGLangEngine(RolloutEngine):
             raise
 
     def _connect(self, *, require_deterministic: bool) -> None:
-        """Read every server's release and launch settings (sglang_versions.server_facts)."""
+        """Read every server's release and launch settings (versions.server_facts)."""
         facts = server_facts([(url, self._server_info(url)) for url in self.urls],
                              require_deterministic=require_deterministic)
         self.sglang_version, self.features = facts.version, facts.features
@@ -438,7 +438,7 @@ class SGLangEngine(RolloutEngine):
         return list(zip(self.urls, errors))
 
     def _post_control(self, url: str, path: str, payload: Any, timeout_s: float) -> str | None:
-        """One control request; None on success, else the error text (sglang_payloads.post_control)."""
+        """One control request; None on success, else the error text (payloads.post_control)."""
         return post_control(url, path, payload, timeout_s=timeout_s, connect_timeout_s=self.connect_timeout_s)
 
     # ----------------------------------------------------------------------------- weights
