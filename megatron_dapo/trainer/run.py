@@ -78,6 +78,7 @@ def _launch_sglang(cfg: Config) -> list:
     import dataclasses
 
     from megatron_dapo.rollout.sglang.server import SGLangServerSpec, launch_servers
+    from megatron_dapo.rollout.sglang.versions import SERVER_RESERVED_TOKENS
 
     r = cfg.rollout
     if not cfg.model.hf_path:
@@ -94,7 +95,7 @@ def _launch_sglang(cfg: Config) -> list:
         mem_fraction_static=r.gpu_memory_utilization,
         dtype="bfloat16" if cfg.model.params_dtype == "bf16" else "float32",
         enable_memory_saver=r.mode == "colocate", deterministic_inference=r.deterministic_inference,
-        context_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        context_length=cfg.data.max_prompt_length + cfg.data.max_response_length + SERVER_RESERVED_TOKENS,
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
         speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
         for i in range(n)]

@@ -100,9 +100,9 @@ def test_sglang_engine_refuses_a_prompt_longer_than_the_server_context_before_se
 
     with StandinServer(toy=True, args=["--context-length", "16"], log_dir=tmp_path) as server:
         with SGLangEngine([server.url]) as engine:
-            assert engine.max_sequence_length == 16
-            with pytest.raises(ValueError, match=r"prompt 'p': 12 prompt tokens \+ max_new_tokens=8 = 20 > .*=16"):
-                engine.generate([PromptInput("p", tuple(range(1, 13)))], SamplingParams(max_new_tokens=8))
+            assert engine.max_sequence_length == 14  # SGLang generates in full up to its context - 2
+            with pytest.raises(ValueError, match=r"prompt 'p': 8 prompt tokens \+ max_new_tokens=7 = 15 > 14"):
+                engine.generate([PromptInput("p", tuple(range(1, 9)))], SamplingParams(max_new_tokens=7))
             assert server.requests("/generate") == []
-            fits = engine.generate([PromptInput("q", tuple(range(1, 9)))], SamplingParams(max_new_tokens=8))
-            assert len(fits[0].response_token_ids) == 8
+            fits = engine.generate([PromptInput("q", tuple(range(1, 9)))], SamplingParams(max_new_tokens=6))
+            assert len(fits[0].response_token_ids) == 6

@@ -283,9 +283,9 @@ def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_
             "rollout.engine=sglang", "model.hf_path=/models/tiny", f"rollout.deterministic_inference={det}",
             "data.max_prompt_length=40", "data.max_response_length=24", f"trainer.output_dir={tmp_path}"])
         run_mod._launch_sglang(cfg)
-        assert launched and all(s.deterministic_inference is det and s.context_length == 64 for s in launched)
+        assert launched and all(s.deterministic_inference is det and s.context_length == 66 for s in launched)
         cmd = build_launch_command(launched[0])
-        assert cmd[cmd.index("--context-length") + 1] == "64"
+        assert cmd[cmd.index("--context-length") + 1] == "66"  # 40 + 24 + the 2 SGLang keeps back
         assert ("--enable-deterministic-inference" in cmd) is det
 
 

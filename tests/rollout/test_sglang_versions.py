@@ -112,18 +112,19 @@ def _launch(spec, tmp_path, version):
 
 @pytest.mark.parametrize("version", ["0.5.8", "0.5.23"])
 def test_the_launcher_passes_the_context_length_so_the_pre_check_runs(tmp_path, version):
-    """Item 1: SGLang reports --context-length in /server_info (None without it)."""
+    """Item 1: SGLang reports its scheduler's max_req_input_len in /server_info, with or without
+    --context-length; the engine refuses what the scheduler would cut."""
     port = free_port()
     proc = _launch(SGLangServerSpec(model_path="toy", port=port, context_length=16), tmp_path, version)
     try:
         with SGLangEngine([f"http://127.0.0.1:{port}"]) as eng:
-            assert eng.max_sequence_length == 16 and eng.sglang_version == version
-            with pytest.raises(ValueError, match=r"12 prompt tokens \+ max_new_tokens=8 = 20 > the server's context"):
+            assert eng.max_sequence_length == 14 and eng.sglang_version == version  # context - 2
+            with pytest.raises(ValueError, match=r"12 prompt tokens \+ max_new_tokens=8 = 20 > 14, the longest"):
                 eng.generate([PromptInput("p", tuple(range(1, 13)))], SamplingParams(max_new_tokens=8))
     finally:
         proc.stop(timeout_s=10)
     with StandinServer(toy=True, emulate_version=version, log_dir=tmp_path) as s, SGLangEngine([s.url]) as eng:
-        assert eng.max_sequence_length is None  # launched without --context-length: no pre-check possible
+        assert eng.max_sequence_length == (1 << 20) - 2  # without --context-length: the model's, less 2
 
 
 @pytest.mark.parametrize("version", ["0.5.8", "0.5.23"])

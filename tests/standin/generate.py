@@ -74,6 +74,7 @@ def generate(st: State, body: dict, query) -> Any:
             raise value_error("the stand-in does not emulate sampling_params.n > 1; send n items")
     check_can_generate(st)
     ctx = st.model.context_length
+    max_req_len = ctx - 1  # the scheduler's min(context_len - 1, KV pool - 1); the stand-in's pool is unbounded
     samplings = []
     for item, p in zip(batch, params, strict=True):
         if len(item) >= ctx:
@@ -83,8 +84,11 @@ def generate(st: State, body: dict, query) -> Any:
             raise value_error(f"The input_ids {item} contains values greater than the vocab size "
                               f"({st.model.vocab_size}).")
         s = ItemSampling.from_params(p, seed=_seed(st, p))
-        if len(item) + s.max_new_tokens > ctx:  # SGLang cuts max_new_tokens to fit the context
-            s = dataclasses.replace(s, max_new_tokens=max(0, ctx - len(item)))
+        if p.get("max_new_tokens") is not None and len(item) + s.max_new_tokens > ctx:  # as the tokenizer manager
+            raise value_error(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                              f"You requested a total of {len(item) + s.max_new_tokens} tokens.")
+        if len(item) + s.max_new_tokens > max_req_len - 1:  # the scheduler cuts max_new_tokens silently
+            s = dataclasses.replace(s, max_new_tokens=max(0, max_req_len - 1 - len(item)))
         samplings.append(s)
     with st.lock:
         dup = next((r for r in rids if r in st.inflight), None) or (

@@ -18,7 +18,9 @@ What it does as SGLang does (the release's source is the reference; see protocol
   partial output;
 - /health and /health_generate answer 503 until the model is loaded; /model_info, /server_info and
   the deprecated /get_model_info, /get_server_info (with `version`, `context_length` = the launch
-  setting, None unless --context-length is given), as the release has them (others: 404);
+  setting, None unless --context-length is given, and `max_req_input_len` = context - 6), as the
+  release has them (others: 404); /generate refuses prompt + max_new_tokens > context and cuts
+  max_new_tokens to context - 2 - prompt, as the release's tokenizer manager and scheduler do;
 - /flush_cache: 400 while requests run;
 - /release_memory_occupation, /resume_memory_occupation with tags (weights, kv_cache,
   cuda_graph; none = all), effective with --enable-memory-saver; a release while requests run and a
@@ -189,7 +191,7 @@ def _model_info(st: State, body, query):
 def _server_info(st: State, body, query):
     ctx = st.model.context_length if st.model is not None else None
     return {**server_args_dict(st.args), "version": st.proto.version, "max_total_num_tokens": ctx,
-            "max_req_input_len": None if ctx is None else ctx - 1, "internal_states": [{}]}
+            "max_req_input_len": None if ctx is None else ctx - 6, "internal_states": [{}]}  # max_req_len - 5
 
 
 def _deprecated(st: State, old: str, new: str) -> None:

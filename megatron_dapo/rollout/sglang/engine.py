@@ -1,7 +1,7 @@
 """SGLang rollout engine: an HTTP client of one or more SGLang servers (`RolloutEngine`).
 
 Supported releases: versions.SUPPORTED (0.5.8 to 0.5.23). At construction the engine reads
-every server's /server_info (its `version`, `context_length`, `enable_deterministic_inference`)
+every server's /server_info (its `version`, `max_req_input_len` / `context_length`, `enable_deterministic_inference`)
 and refuses a release outside the range with UnsupportedSGLangVersion; what differs per release
 (routes, counter names, weight-update sessions) comes from `versions.features_for`.
 
@@ -157,8 +157,8 @@ class SGLangEngine(RolloutEngine):
         self._spec = spec_fields(self.features)
         self._warned_unseeded = False
         if self._context_length is None:
-            logger.info("SGLang servers report no context_length (launched without --context-length): "
-                        "prompts that do not fit are not refused before sending")
+            logger.info("SGLang servers report neither max_req_input_len nor context_length: prompts that do not "
+                        "fit are not refused before sending")
 
     def _server_info(self, url: str) -> dict:
         """/server_info (0.5.8+), else the deprecated /get_server_info (which releases before 0.5.8 had)."""
@@ -186,8 +186,8 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def max_sequence_length(self) -> int | None:
-        """The servers' context length (their --context-length, from /server_info at connect; the
-        smallest over servers); None when they were launched without one."""
+        """The longest prompt + max_new_tokens every server generates without cutting (read from
+        /server_info at connect: versions.request_token_limit, the smallest over the servers)."""
         return self._context_length
 
     def _check_context(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> None:
@@ -199,7 +199,9 @@ class SGLangEngine(RolloutEngine):
             total = len(p.token_ids) + sampling.max_new_tokens
             if total > limit:
                 raise ValueError(f"prompt {p.prompt_id!r}: {len(p.token_ids)} prompt tokens + max_new_tokens="
-                                 f"{sampling.max_new_tokens} = {total} > the server's context length={limit}")
+                                 f"{sampling.max_new_tokens} = {total} > {limit}, the longest request the SGLang "
+                                 "servers generate in full (their context length or KV pool, less 2 tokens; "
+                                 "SGLang would cut max_new_tokens silently)")
 
     @property
     def policy_version(self) -> int:

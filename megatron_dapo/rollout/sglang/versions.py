@@ -37,7 +37,14 @@ What the wheels show (release = first one with the change):
   500 from SamplingParams(**params)); unknown request fields stay ignored in every release.
 
 Every release in the range reports `version` and `context_length` (the --context-length launch
-setting, None when not given) in /server_info.
+setting, None when not given) in /server_info, and `max_req_input_len` (scheduler info), from which
+the longest request follows. Read from the 0.5.8, 0.5.16 and 0.5.23 wheels and measured on a real
+0.5.23 server: the scheduler's `max_req_len = min(context_len - 1, KV pool tokens - 1)` (context_len:
+--context-length, else the model's max_position_embeddings), `max_req_input_len = max_req_len - 5`;
+a request's max_new_tokens is cut silently to `max_req_len - 1 - prompt` (managers/scheduler.py), and
+the tokenizer manager refuses only `prompt + max_new_tokens > context_len`. So prompt + max_new_tokens
+must stay within `max_req_input_len + 4` (= min(context_len, KV pool) - 2), whatever the launch flags:
+`request_token_limit`. A server launched for L tokens needs --context-length L + 2 (SERVER_RESERVED_TOKENS).
 """
 
 from __future__ import annotations
@@ -111,6 +118,22 @@ def features_for(version: str, *, where: str = "the server") -> ReleaseFeatures:
     return features
 
 
+SERVER_RESERVED_TOKENS = 2
+"""context_len - (the longest prompt + max_new_tokens a server generates in full): see the docstring."""
+
+
+def request_token_limit(info: dict) -> int | None:
+    """The longest prompt + max_new_tokens one server generates without cutting (the module docstring):
+    from its scheduler's `max_req_input_len`, else its --context-length; None when it reports neither."""
+    reported = info.get("max_req_input_len")
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported > 0:
+        return reported + 4
+    ctx = info.get("context_length")
+    if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > SERVER_RESERVED_TOKENS:
+        return ctx - SERVER_RESERVED_TOKENS
+    return None
+
+
 @dataclass(frozen=True)
 class ServerFacts:
     """What the client learns at connect from the servers' /server_info."""
@@ -118,7 +141,8 @@ class ServerFacts:
     version: str
     features: ReleaseFeatures
     context_length: int | None
-    """The smallest --context-length over the servers; None when they were launched without one."""
+    """The longest prompt + max_new_tokens every server generates in full (request_token_limit, the
+    smallest over the servers); None when no server reports one."""
     seeds_honoured: bool
     """Every server runs with --enable-deterministic-inference (SGLang honours sampling_seed only then)."""
 
@@ -136,8 +160,7 @@ def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool =
         listed = ", ".join(f"{u}: {i['version']}" for u, i in infos)
         raise UnsupportedSGLangVersion(f"the servers run different SGLang releases ({listed}); use one")
     version = versions.pop()
-    limits = [i.get("context_length") for _, i in infos]
-    limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    limits = [v for v in (request_token_limit(i) for _, i in infos) if v is not None]
     off = [u for u, i in infos if i.get("enable_deterministic_inference") is not True]
     if require_deterministic and off:
         raise RolloutEngineError(
