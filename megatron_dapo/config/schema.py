@@ -343,6 +343,20 @@ class RolloutConfig:
     """Address SGLang servers bind to (loopback unless a cluster-internal address is given)."""
     server_base_port: int = 30000
     """First port of the SGLang servers."""
+    sglang_python: str = ""
+    """Python interpreter that runs the SGLang servers this trainer launches (`<it> -m sglang.launch_server`): a venv or image with SGLang; empty = the trainer's own Python."""
+    server_device: str = ""
+    """--device of the servers this trainer launches (cuda, cpu, ...); empty = SGLang's default (cuda)."""
+    server_attention_backend: str = ""
+    """--attention-backend of the servers this trainer launches (fa3, flashinfer, triton, torch_native, ...); empty = SGLang's choice for the device and model."""
+    server_max_total_tokens: int | None = None
+    """--max-total-tokens: the KV pool of each server this trainer launches, in tokens; null = sized from rollout.gpu_memory_utilization (on CPU SGLang sizes it from the host's RAM: set it there)."""
+    server_env: list[str] = field(default_factory=list)
+    """KEY=VALUE environment settings of the servers this trainer launches (e.g. SGLANG_USE_CPU_ENGINE=1, which SGLang needs for server_device=cpu)."""
+    server_extra_args: list[str] = field(default_factory=list)
+    """Further sglang.launch_server flags of the servers this trainer launches, appended verbatim (e.g. --sleep-on-idle)."""
+    require_memory_saver: bool = True
+    """mode=colocate: refuse servers that run without --enable-memory-saver (they would keep their weights and KV cache in the accelerator memory the actor trains in), and launch with it; false when the servers do not share the trainer's accelerator memory (CPU servers)."""
     deterministic_inference: bool = False
     """engine=sglang: launch the servers with --enable-deterministic-inference, so they honour the per-sample sampling seeds and a rerun samples the same rollouts; costs decoding speed (batch-invariant kernels, pytorch sampling, a deterministic attention backend). False: seeds are not sent (SGLang would ignore them) and rollouts are not reproducible. With rollout.sglang_urls the servers must match (checked at connect)."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -361,6 +375,12 @@ class RolloutConfig:
         _check(self.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", "> 0", self.weight_sync_timeout_s)
         _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
+        for i, item in enumerate(self.server_env):
+            if "=" not in item or not item.split("=", 1)[0].strip():
+                raise ConfigError(f"rollout.server_env[{i}]", f"expected KEY=VALUE, got {item!r}")
+        if self.server_max_total_tokens is not None:
+            _check(self.server_max_total_tokens >= 1, "rollout.server_max_total_tokens", ">= 1 or null",
+                   self.server_max_total_tokens)
         if self.speculative.auto and (self.engine != "sglang" or self.sglang_urls):
             raise ConfigError("rollout.speculative.auto", "relaunches the SGLang servers this trainer launches: needs "
                               "rollout.engine=sglang and no rollout.sglang_urls")

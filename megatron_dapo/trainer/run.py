@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -68,17 +69,46 @@ def _connect(cfg: Config, urls: list[str]):
     r = cfg.rollout
     return SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                         max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
-                        require_deterministic=r.deterministic_inference)
+                        require_deterministic=r.deterministic_inference,
+                        require_memory_saver=r.mode == "colocate" and r.require_memory_saver)
+
+
+def sglang_launch_plan(cfg: Config):
+    """What `_launch_sglang` starts: (one SGLangServerSpec per server, the launcher argv prefix, the extra
+    environment or None). One server per rollout.tensor_model_parallel_size GPUs, every flag from the
+    config: the same code path starts CPU servers in the tests and GPU servers on the cluster."""
+    from megatron_dapo.rollout.sglang.server import SGLangServerSpec
+    from megatron_dapo.rollout.sglang.versions import SERVER_RESERVED_TOKENS
+
+    r, spec = cfg.rollout, cfg.rollout.speculative
+    n = max(cfg.trainer.world_size // r.tensor_model_parallel_size, 1)
+    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer and not cfg.data.tokenizer.startswith("builtin:") else None
+    specs = [SGLangServerSpec(
+        model_path=cfg.model.hf_path, tokenizer_path=tokenizer, host=r.server_host, port=r.server_base_port + i,
+        tp_size=r.tensor_model_parallel_size,
+        # CPU servers have no GPU range (SGLang 0.5.23 reads --base-gpu-id as a NUMA node index there)
+        base_gpu_id=None if r.server_device == "cpu" else i * r.tensor_model_parallel_size,
+        mem_fraction_static=r.gpu_memory_utilization,
+        dtype="bfloat16" if cfg.model.params_dtype == "bf16" else "float32",
+        enable_memory_saver=r.mode == "colocate" and r.require_memory_saver,
+        deterministic_inference=r.deterministic_inference,
+        context_length=cfg.data.max_prompt_length + cfg.data.max_response_length + SERVER_RESERVED_TOKENS,
+        device=r.server_device or None, attention_backend=r.server_attention_backend or None,
+        max_total_tokens=r.server_max_total_tokens, extra_args=tuple(r.server_extra_args),
+        speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
+        speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
+        for i in range(n)]
+    launcher = (r.sglang_python or sys.executable, "-m", "sglang.launch_server")
+    return specs, launcher, dict(item.split("=", 1) for item in r.server_env) or None
 
 
 def _launch_sglang(cfg: Config) -> list:
-    """One server per rollout.tensor_model_parallel_size GPUs: placed on the Ray cluster when RAY_ADDRESS is
-    set (the SLURM launcher starts one; servers bind to their node's cluster-internal address), otherwise
-    launched on this node (loopback by default). Returns objects with `.stop()` (and `.url`/`.urls`)."""
+    """The servers of sglang_launch_plan: placed on the Ray cluster when RAY_ADDRESS is set (the SLURM
+    launcher starts one; servers bind to their node's cluster-internal address), otherwise launched on
+    this node (loopback by default). Returns objects with `.stop()` (and `.url`/`.urls`)."""
     import dataclasses
 
-    from megatron_dapo.rollout.sglang.server import SGLangServerSpec, launch_servers
-    from megatron_dapo.rollout.sglang.versions import SERVER_RESERVED_TOKENS
+    from megatron_dapo.rollout.sglang.server import launch_servers
 
     r = cfg.rollout
     if not cfg.model.hf_path:
@@ -87,25 +117,15 @@ def _launch_sglang(cfg: Config) -> list:
     if cfg.trainer.nnodes > 1 and not on_ray:
         raise ValueError("with trainer.nnodes > 1 the SGLang servers are placed on the Ray cluster (RAY_ADDRESS) "
                          "or given by rollout.sglang_urls")
-    n = max(cfg.trainer.world_size // r.tensor_model_parallel_size, 1)
-    spec = r.speculative
-    specs = [SGLangServerSpec(
-        model_path=cfg.model.hf_path, host=r.server_host, port=r.server_base_port + i,
-        tp_size=r.tensor_model_parallel_size, base_gpu_id=i * r.tensor_model_parallel_size,
-        mem_fraction_static=r.gpu_memory_utilization,
-        dtype="bfloat16" if cfg.model.params_dtype == "bf16" else "float32",
-        enable_memory_saver=r.mode == "colocate", deterministic_inference=r.deterministic_inference,
-        context_length=cfg.data.max_prompt_length + cfg.data.max_response_length + SERVER_RESERVED_TOKENS,
-        speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
-        speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
-        for i in range(n)]
+    specs, launcher, env = sglang_launch_plan(cfg)
     log_dir = os.path.join(cfg.run_dir, "sglang")
     if on_ray:
         from megatron_dapo.rollout.sglang.placement import place_sglang_servers
 
         host = "auto" if r.server_host == "127.0.0.1" else r.server_host  # reachable from rank 0's node
-        return [place_sglang_servers([dataclasses.replace(s, host=host) for s in specs], log_dir=log_dir)]
-    return launch_servers(specs, log_dir=log_dir, timeout_s=1800)
+        return [place_sglang_servers([dataclasses.replace(s, host=host) for s in specs], log_dir=log_dir,
+                                     launcher=launcher, env=env)]
+    return launch_servers(specs, log_dir=log_dir, timeout_s=1800, launcher=launcher, env=env)
 
 
 def _drafter(cfg: Config, *, vocab_size: int, version: str | None = None, transport: str | None = None):

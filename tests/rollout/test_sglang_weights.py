@@ -96,17 +96,31 @@ def file_system_sharing():
     tmp.set_sharing_strategy(before)
 
 
-def test_colocated_cpu_tensors_by_file_descriptor_cannot_be_opened_by_a_server_process(tmp_path):
-    """The real fault the in-process stand-in hid: a ForkingPickler CPU tensor (default strategy) points
-    at the sender's resource_sharer, which only its multiprocessing children may contact. SGLang's
-    scheduler dies on it, and so does the stand-in."""
+def test_a_cpu_tensor_pickled_by_file_descriptor_kills_a_server_process(tmp_path):
+    """Why the client never sends one: a ForkingPickler CPU tensor under the default strategy points at
+    the sender's resource_sharer, which only its multiprocessing children may contact. SGLang's scheduler
+    dies on it (measured on a real 0.5.23 server), and so does the stand-in."""
+    import io
+
     assert tmp.get_sharing_strategy() == "file_descriptor"
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(_named()[:1])
+    body = sw.tensor_update_payload([base64.b64encode(buf.getvalue()).decode()], flush_cache=True, weight_version="1")
     with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url], max_retries=0) as eng:
-        with pytest.raises(EngineRequestError, match="/update_weights_from_tensor: ConnectionError"):
-            eng.update_weights(_named()[:1], policy_version=1, bucket_mb=1)
+        with eng.weight_update_session(), pytest.raises(EngineRequestError, match="ConnectionError"):
+            eng._post_update("/update_weights_from_tensor", [body])
         assert s.wait_exit() == 1
         assert "AuthenticationError: digest sent was rejected" in s.log_tail()
-        assert eng.policy_version == 0  # a failed update leaves the version alone
+
+
+def test_colocated_cpu_tensors_travel_by_file_name_whatever_the_process_sharing_strategy(tmp_path):
+    """The trainer runs with torch's default strategy (file descriptors); the engine's payloads still
+    carry shared-memory file names, which the server process opens, and the strategy is left as it was."""
+    assert tmp.get_sharing_strategy() == "file_descriptor"
+    with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url], max_retries=0) as eng:
+        eng.update_weights(_named(), policy_version=1, bucket_mb=1)
+        assert s.checksums() == [expected_checksums(_named())] and s.stats()["weight_version"] == "1"
+    assert tmp.get_sharing_strategy() == "file_descriptor"
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

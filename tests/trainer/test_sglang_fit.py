@@ -22,7 +22,8 @@ def _cfg(url, tmp_path):
         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "data.max_response_length=6",
         "reward.overlong_buffer.len=4", "trainer.test_freq=0", "trainer.val_before_train=false",
         "trainer.logger=[]", "trainer.save_freq=-1", f"trainer.output_dir={tmp_path}",
-        "rollout.weight_sync_bucket_mb=1"])
+        "rollout.weight_sync_bucket_mb=1",
+        "rollout.require_memory_saver=false"])  # the stand-in shares no accelerator memory with the trainer
 
 
 def _server(tmp_path):

@@ -19,7 +19,7 @@ Protocol (the request and reply layout: sglang.payloads):
   sampled token, before top-k / top-p filtering (SGLANG_RETURN_ORIGINAL_LOGPROB switches to the
   pre-temperature distribution: leave it unset so they match the actor's log-probs at temperature).
 - POST /abort_request {"abort_all": true}: in-flight requests finish with finish_reason "abort"
-  and their partial output. GET /health, /health_generate, /model_info (0.5.8+).
+  and their partial output. POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
   Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
@@ -71,6 +71,8 @@ from megatron_dapo.rollout.sglang.versions import SELECTORS, UnsupportedSGLangVe
 
 logger = logging.getLogger(__name__)
 
+PAUSE_MODES = ("in_place", "retract", "abort")
+
 class SGLangEngine(RolloutEngine):
     """Rollout over SGLang servers at `urls` (see the module docstring for the protocol)."""
 
@@ -90,11 +92,13 @@ class SGLangEngine(RolloutEngine):
         policy_version: int = 0,
         require_deterministic: bool = False,
         open_weight_sessions: bool = True,
+        require_memory_saver: bool = False,
     ):
         """require_deterministic: refuse servers that ignore sampling seeds (launched without
-        --enable-deterministic-inference). open_weight_sessions: update_weights_* open a weight-update
-        session themselves when the release needs one and none is open; False when another engine
-        (one coordinator for several senders) opens it around the whole sync."""
+        --enable-deterministic-inference). require_memory_saver: refuse servers launched without
+        --enable-memory-saver (colocated on the trainer's GPUs). open_weight_sessions: update_weights_*
+        open a weight-update session themselves when the release needs one and none is open; False
+        when another engine (one coordinator for several senders) opens it around the whole sync."""
         if isinstance(urls, str) or not urls:
             raise ValueError(f"urls must be a non-empty list of server URLs, got {urls!r}")
         for name, v, lo in (
@@ -143,15 +147,15 @@ class SGLangEngine(RolloutEngine):
         self._open_weight_sessions = bool(open_weight_sessions)
         self._closed = False
         try:
-            self._connect(require_deterministic=require_deterministic)
+            self._connect(require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
         except BaseException:
             self.close()
             raise
 
-    def _connect(self, *, require_deterministic: bool) -> None:
+    def _connect(self, *, require_deterministic: bool, require_memory_saver: bool) -> None:
         """Read every server's release and launch settings (versions.server_facts)."""
         facts = server_facts([(url, self._server_info(url)) for url in self.urls],
-                             require_deterministic=require_deterministic)
+                             require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
         self.sglang_version, self.features = facts.version, facts.features
         self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
         self._spec = spec_fields(self.features)
@@ -388,6 +392,19 @@ class SGLangEngine(RolloutEngine):
         ):
             if err is not None:
                 logger.warning("abort: %s/abort_request failed: %s", url, err)
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Stop every server's scheduler from decoding (POST /pause_generation, every supported release):
+        "in_place" holds the running requests with their KV cache until `continue_generation`, "retract"
+        puts them back in the waiting queue (their cache may be dropped and recomputed), "abort" ends
+        them with their partial output."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post_all("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        """Resume decoding on every server after `pause_generation`."""
+        self._post_all("/continue_generation", {})
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free weights and KV cache (tags: None = all; or ["weights"], ["kv_cache"]). Needs --enable-memory-saver."""

@@ -24,11 +24,12 @@ def _server_actor_class():
 
     @ray.remote
     class SGLangServerActor:
-        def __init__(self, spec: SGLangServerSpec, launcher: Sequence[str], log_dir: str, timeout_s: float):
+        def __init__(self, spec: SGLangServerSpec, launcher: Sequence[str], log_dir: str, timeout_s: float,
+                     env: dict[str, str] | None):
             host = ray.util.get_node_ip_address() if spec.host == "auto" else spec.host
             # Ray gives this actor its GPUs through CUDA_VISIBLE_DEVICES: the server starts at GPU 0 of them.
             spec = dataclasses.replace(spec, host=host, base_gpu_id=0 if spec.tp_size else None)
-            (self.server,) = launch_servers([spec], log_dir=log_dir, timeout_s=timeout_s, launcher=launcher)
+            (self.server,) = launch_servers([spec], log_dir=log_dir, timeout_s=timeout_s, launcher=launcher, env=env)
 
         def url(self) -> str:
             return self.server.url
@@ -57,8 +58,10 @@ class PlacedServers:
 
 
 def place_sglang_servers(specs: Sequence[SGLangServerSpec], *, log_dir: str, timeout_s: float = 1800.0,
-                         launcher: Sequence[str] = _DEFAULT_LAUNCHER, use_gpu: bool = True) -> PlacedServers:
-    """Start one server per spec on the connected Ray cluster (PACK placement: fill nodes in order)."""
+                         launcher: Sequence[str] = _DEFAULT_LAUNCHER, use_gpu: bool = True,
+                         env: dict[str, str] | None = None) -> PlacedServers:
+    """Start one server per spec on the connected Ray cluster (PACK placement: fill nodes in order);
+    `env`: extra environment variables of every server process."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -72,6 +75,6 @@ def place_sglang_servers(specs: Sequence[SGLangServerSpec], *, log_dir: str, tim
     actors = [cls.options(num_cpus=1, num_gpus=s.tp_size if use_gpu else 0,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               placement_group=pg, placement_group_bundle_index=i)).remote(
-        s, list(launcher), log_dir, timeout_s) for i, s in enumerate(specs)]
+        s, list(launcher), log_dir, timeout_s, env) for i, s in enumerate(specs)]
     urls = ray.get([a.url.remote() for a in actors], timeout=timeout_s)
     return PlacedServers(urls=urls, actors=actors, placement_group=pg)

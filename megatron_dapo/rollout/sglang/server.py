@@ -37,6 +37,8 @@ class SGLangServerSpec:
 
     model_path: str
     port: int
+    tokenizer_path: str | None = None
+    """--tokenizer-path; None = SGLang reads the tokenizer from model_path."""
     host: str = "127.0.0.1"
     """Loopback by default; a cluster-internal address when engines serve other nodes."""
     tp_size: int = 1
@@ -51,7 +53,13 @@ class SGLangServerSpec:
     """SGLang honours sampling_seed only with --enable-deterministic-inference (batch-invariant kernels,
     the pytorch sampling backend, a deterministic attention backend: slower decoding)."""
     context_length: int | None = None
-    """--context-length: the longest prompt + response the server accepts (None: the model's)."""
+    """--context-length (None: the model's). SGLang generates in full up to 2 tokens less (versions.py)."""
+    device: str | None = None
+    """--device (cuda, cpu, ...); None = SGLang's default."""
+    attention_backend: str | None = None
+    """--attention-backend; None = SGLang's choice for the device and model."""
+    max_total_tokens: int | None = None
+    """--max-total-tokens: the KV pool in tokens; None = sized from mem_fraction_static (on CPU, from RAM)."""
     speculative_algorithm: str | None = None
     """None (off), "EAGLE" or "NEXTN" (MTP layers as the drafter)."""
     speculative_num_steps: int = 3
@@ -87,6 +95,13 @@ class SGLangServerSpec:
         ):
             raise ValueError(
                 f"SGLangServerSpec.context_length must be an int >= 2 or None, got {self.context_length!r}"
+            )
+        if self.max_total_tokens is not None and (
+            not isinstance(self.max_total_tokens, int) or isinstance(self.max_total_tokens, bool)
+            or self.max_total_tokens < 1
+        ):
+            raise ValueError(
+                f"SGLangServerSpec.max_total_tokens must be an int >= 1 or None, got {self.max_total_tokens!r}"
             )
         if self.base_gpu_id is not None and (not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0):
             raise ValueError(
@@ -129,8 +144,11 @@ def build_launch_command(
         "--dtype",
         spec.dtype,
     ]
-    if spec.context_length is not None:
-        cmd += ["--context-length", str(spec.context_length)]
+    for flag, value in (("--tokenizer-path", spec.tokenizer_path), ("--context-length", spec.context_length),
+                        ("--device", spec.device), ("--attention-backend", spec.attention_backend),
+                        ("--max-total-tokens", spec.max_total_tokens)):
+        if value is not None:
+            cmd += [flag, str(value)]
     if spec.base_gpu_id is not None:
         cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
     if spec.enable_memory_saver:
@@ -206,18 +224,38 @@ class ServerProcess:
 def launch_server(
     command: Sequence[str], *, url: str, log_path: str | os.PathLike, env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """Start `command` (from `build_launch_command`) with stdout and stderr in `log_path`."""
-    log_path = Path(log_path)
+    """Start `command` (from `build_launch_command`) with stdout and stderr in `log_path`, in the log's
+    directory: `python -m` puts its working directory first on sys.path, and from this repository's root
+    the top-level kernels/ folder would shadow the `kernels` package SGLang and transformers import.
+    Relative paths in the command are made absolute first, so they keep their meaning."""
+    log_path = Path(log_path).absolute()
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = _absolute_paths(command)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            list(command),
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            cwd=log_path.parent,
             env=None if env is None else {**os.environ, **env},
         )
     return ServerProcess(process=process, url=url, log_path=log_path, command=list(command))
+
+
+_PATH_FLAGS = ("--model-path", "--tokenizer-path", "--speculative-draft-model-path")
+
+
+def _absolute_paths(command: Sequence[str]) -> list[str]:
+    """The command with the values of its path flags made absolute when they name existing local paths
+    (a hub id or a path on another node stays as written), and a relative interpreter resolved."""
+    cmd = [str(c) for c in command]
+    if cmd and os.sep in cmd[0] and not os.path.isabs(cmd[0]):
+        cmd[0] = os.path.abspath(cmd[0])
+    for i in range(1, len(cmd)):
+        if cmd[i - 1] in _PATH_FLAGS and os.path.exists(cmd[i]):
+            cmd[i] = os.path.abspath(cmd[i])
+    return cmd
 
 
 def wait_for_health(

@@ -147,9 +147,11 @@ class ServerFacts:
     """Every server runs with --enable-deterministic-inference (SGLang honours sampling_seed only then)."""
 
 
-def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False) -> ServerFacts:
-    """Check the (url, /server_info) of every server: one supported release, and deterministic
-    inference when `require_deterministic` (rollout.deterministic_inference) asks for it."""
+def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False,
+                 require_memory_saver: bool = False) -> ServerFacts:
+    """Check the (url, /server_info) of every server: one supported release, deterministic inference
+    when `require_deterministic` (rollout.deterministic_inference) asks for it, and the memory saver
+    when `require_memory_saver` does (colocated servers: rollout.require_memory_saver)."""
     for url, info in infos:
         version = info.get("version")
         if not isinstance(version, str):
@@ -166,5 +168,11 @@ def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool =
         raise RolloutEngineError(
             f"rollout.deterministic_inference=true but {off} run without --enable-deterministic-inference: "
             "SGLang would ignore the sampling seeds; relaunch them with the flag")
+    no_saver = [u for u, i in infos if i.get("enable_memory_saver") is not True]
+    if require_memory_saver and no_saver:
+        raise RolloutEngineError(
+            f"rollout.mode=colocate but {no_saver} run without --enable-memory-saver: their weights and KV cache "
+            "would stay in the accelerator memory the actor trains in; relaunch them with the flag, or set "
+            "rollout.require_memory_saver=false when they do not share the trainer's accelerator memory")
     return ServerFacts(version=version, features=features_for(version), context_length=min(limits) if limits else None,
                        seeds_honoured=not off)

@@ -24,7 +24,9 @@ Shape legend: tensors keep their own shapes; `bucket_bytes` counts `numel * elem
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -82,10 +84,40 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+_SHARING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _cpu_storage_by_file_name() -> Iterator[None]:
+    """torch's "file_system" sharing strategy for the block: a CPU storage pickles as the name of a
+    shared-memory file, which the server process can open. Under the default "file_descriptor" strategy
+    it pickles as a descriptor that only the sender's own multiprocessing children can receive: an
+    SGLang 0.5.23 server that unpickles one fails the authkey check and the whole server exits
+    (measured). The strategy is process-wide, so the switch is held under a lock and undone after."""
+    import torch.multiprocessing as tmp
+
+    with _SHARING_LOCK:
+        before = tmp.get_sharing_strategy()
+        if before != "file_system":
+            tmp.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            if before != "file_system":
+                tmp.set_sharing_strategy(before)
+
+
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 text of a ForkingPickler pickle of the list (SGLang's MultiprocessingSerializer format)."""
+    """Base64 text of a ForkingPickler pickle of the list (SGLang's MultiprocessingSerializer format):
+    CUDA IPC handles for device tensors, shared-memory file names for CPU tensors (never descriptors).
+    The caller keeps the tensors alive until the server has answered."""
+    tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(name, t.detach().contiguous()) for name, t in named_tensors])
+    if any(t.device.type == "cpu" for _, t in tensors):
+        with _cpu_storage_by_file_name():
+            ForkingPickler(buf).dump(tensors)
+    else:
+        ForkingPickler(buf).dump(tensors)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
