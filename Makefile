@@ -8,7 +8,7 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env clean train-dapo-32b \
+.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env sglang-env clean train-dapo-32b \
 	train-dapo-32b-wo-ds train-dapo-32b-early train-moe tensorboard data eval-aime docker
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
@@ -26,12 +26,25 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	$(BIN)/python -m megatron_dapo.train --config $(CONFIG) $(ARGS)
 
-# The default suite: everything but the `slow` and `gpu` markers; well under 30 min on 2 cores.
-test: install
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(ARGS)
+# The default suite: everything but the `slow` and `gpu` markers; well under 30 min on 2 cores. It
+# includes the tests against real SGLang servers (tests/sglang_real), which run in their own venv.
+test: install sglang-env
+	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q \
+		-m "not slow and not gpu" $(ARGS)
 
-test-all: install
-	$(BIN)/python -m pytest -q -m "not gpu" $(ARGS)
+test-all: install sglang-env
+	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q -m "not gpu" $(ARGS)
+
+SGLANG_VENV ?= .venv-sglang
+SGLANG_ENV_FILES := $(wildcard tests/sglang_env/*.sh tests/sglang_env/*.txt tests/sglang_env/*.py \
+	tests/sglang_env/*.pth tests/sglang_env/sgl_kernel/*.py)
+# The real SGLang server of the tests (0.5.23 beside the CPU torch, two environment shims; about
+# 2-3 minutes and 3.5 GB), never a project dependency. A re-run is a no-op until its files change.
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: $(SGLANG_ENV_FILES)
+	bash tests/sglang_env/build.sh $(SGLANG_VENV) $(PY)
+	touch $@
 
 lint: install
 	$(BIN)/ruff check megatron_dapo kernels tests benchmarks
@@ -142,4 +155,4 @@ docker:
 		$(if $(SGLANG_VERSION),--build-arg SGLANG_VERSION=$(SGLANG_VERSION)) -t $(IMAGE) .
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) $(LIGER_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV) $(LIGER_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache
