@@ -314,7 +314,8 @@ class DAPOTrainer:
                     "sample_index": int(rb.sample_index[i]), "prompt": batch.raw_prompt[i],
                     "response": batch.response_text[i], "ground_truth": batch.ground_truth[i],
                     "score": float(batch.scores[i]), "reward": float(batch.rewards[i]),
-                    "acc": bool(batch.extra["acc"][i]), "finish_reason": rb.finish_reason[i]}) + "\n")
+                    "acc": bool(batch.extra["acc"][i]), "finish_reason": rb.finish_reason[i],
+                    "policy_version": int(rb.policy_version[i])}) + "\n")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:

@@ -27,12 +27,18 @@ from tests.standin import tensor_checksum
 
 def actor_export_checksums(trainer) -> dict | None:
     """{HF name: checksum} of the actor's own HF export, on rank 0 (None elsewhere). A collective."""
+    return actor_export(trainer, tensor_checksum)
+
+
+def actor_export(trainer, fn=lambda t: t.detach().clone()) -> dict | None:
+    """{HF name: fn(tensor)} of the actor's own HF export (gathered over TP / PP / EP to its writer
+    ranks, then to rank 0), on rank 0 (None elsewhere). A collective."""
     p = trainer.p
     arch = model_arch(trainer.cfg, vocab_size=p.tokenizer.vocab_size)
     mine = {}
     for chunk in p.actor.policy.chunks:
         for name, t in iter_hf_tensors(unwrap_model(chunk), pgs=p.pgs, arch=arch):
-            mine[name] = tensor_checksum(t)
+            mine[name] = fn(t)
     parts = [None] * p.pgs.world_size if p.pgs.rank == 0 else None
     dist.gather_object(mine, parts, dst=0, group=p.pgs.ctrl)
     if p.pgs.rank != 0:
