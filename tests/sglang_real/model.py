@@ -39,15 +39,32 @@ def write_char_tokenizer(directory: str) -> None:
     tok.save_pretrained(directory)
 
 
+QWEN3_MOE = dict(QWEN2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+"""Qwen3-MoE at the same size: 4 experts, top-2 routing in both layers, QK-norm, no QKV bias."""
+
+
 def write_tiny_qwen2(directory: str, *, seed: int = 1, **overrides) -> tuple[str, str]:
     """Build, randomize and save a tiny Qwen2ForCausalLM (fp32 safetensors) and the char tokenizer;
     returns (model directory, tokenizer directory)."""
     import transformers
 
-    os.makedirs(directory, exist_ok=True)
     config = transformers.Qwen2Config(**{**QWEN2, **overrides}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _write(directory, transformers.Qwen2ForCausalLM, config, seed)
+
+
+def write_tiny_qwen3_moe(directory: str, *, seed: int = 1) -> tuple[str, str]:
+    """The same for a tiny Qwen3MoeForCausalLM (QWEN3_MOE)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _write(directory, transformers.Qwen3MoeForCausalLM, config, seed)
+
+
+def _write(directory: str, model_class, config, seed: int) -> tuple[str, str]:
+    os.makedirs(directory, exist_ok=True)
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -162,3 +162,16 @@ def test_the_trainer_launches_a_tp2_server_itself_and_leaves_nothing_running(tin
     _check_log_probs(scalars)
     text = logs[0].read_text(errors="replace")
     assert len(logs) == 1 and "'tp_size': 2" in text and "'device': 'cpu'" in text
+
+
+def test_the_trainer_launches_a_qwen3_moe_server_and_trains_against_it(tmp_path_factory, tmp_path):
+    """Qwen3-MoE (4 experts, top-2) serves on the CPU server: the actor (Megatron MoE layers from the same
+    checkpoint) trains 3 steps against it and recomputes the servers' log-probs to round-off. Top-2 routing
+    of fp32 scores that agree to ~1e-6 picks the same experts on both sides unless two scores tie that
+    closely, which these random weights do not produce."""
+    from tests.sglang_real.model import write_tiny_qwen3_moe
+
+    moe = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe") / "model"))
+    scalars, logs = _self_launched(tmp_path, *moe, *cpu_server_overrides(), "rollout.mode=disaggregate")
+    _check_log_probs(scalars)
+    assert "Qwen3MoeForCausalLM" in logs[0].read_text(errors="replace")
