@@ -17,6 +17,27 @@ a free loopback port (or `port=`), waits for /health (200 once the model is load
 (the flags `sglang.server.build_launch_command` would emit, after `launcher`), for tests that go
 through `launch_server` themselves. `expected_checksums(named_tensors)` is what `checksums()` reports
 for tensors that arrived intact.
+
+Its place beside the real server. tests/sglang_real runs SGLang 0.5.23 itself (the venv of `make
+sglang-env`) for what a CPU server shows: the trainer end to end (`python -m megatron_dapo.train`, TP2 /
+PP2 / DP2, self-launched TP2 and Qwen3-MoE servers), both weight transports, the request limit, abort,
+pause / continue and the colocation check. The stand-in stays for what that server cannot show:
+
+- Releases other than 0.5.23 (routes, flags and payloads per release, protocol.py; the real venv pins
+  one): test_sglang_versions, test_sglang_server, test_sglang_drafter (0.5.20's tensor path, pre-0.5.21
+  refusal), test_sglang_spec_metrics.
+- The MTP drafter and speculative decoding: SGLang's speculative kernels are in its CUDA kernel package,
+  which the CPU environment stubs (tests/sglang_env): test_sglang_drafter, _mp_drafter, test_hf_mtp,
+  test_sglang_autospec, test_sglang_spec_metrics.
+- The memory saver (torch_memory_saver needs libcuda; on CPU release / resume are no-ops): the stand-in
+  refuses to generate with released memory, so test_sglang_control and test_cluster_in_a_box check that
+  colocated servers are resumed before they generate.
+- Faults on demand (knobs: delays, HTTP errors, malformed replies, a server killed mid-generation or
+  mid-sync): test_sglang_engine, test_sglang_control, test_sglang_weights, test_cluster_in_a_box.
+- Per-tensor checksums at every TP rank of every server (checksums()), and known outputs (the toy model):
+  test_sglang_weights, test_sglang_fit, test_cluster_in_a_box (4 gloo trainer processes and two TP-2
+  servers, more processes than 2 cores run real servers for), test_sglang_engine.
+- Ray placement (test_ray_sglang, test_ray_pool): a light server per Ray actor.
 """
 
 from __future__ import annotations
