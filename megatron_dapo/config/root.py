@@ -79,9 +79,7 @@ def _check_dynamic_sampling(cfg: Config) -> None:
     fg = cfg.algorithm.filter_groups
     if fg.streaming:
         where = ("algorithm.filter_groups.enable=false (there is nothing to stop early for)" if not fg.enable else
-                 f"rollout.engine={cfg.rollout.engine} (only the local engine streams so far)"
-                 if cfg.rollout.engine != "local" else "queue.enable=true (the sync trainer streams)"
-                 if cfg.queue.enable else None)
+                 "queue.enable=true (the sync trainer streams)" if cfg.queue.enable else None)
         if where is not None:
             raise ConfigError("algorithm.filter_groups.streaming", f"expected false with {where}, got true")
     if not fg.enable:

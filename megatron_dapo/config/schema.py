@@ -454,7 +454,7 @@ class FilterGroupsConfig:
     on_exhausted: Literal["raise", "train_on_available"] = "raise"
     """Past max_num_gen_batches: stop with an error (as the recipe), or train on the groups kept so far."""
     streaming: bool = False
-    """Stop a generation batch as soon as train_batch_size informative groups are complete (each group scored when its last sample ends); groups still running are aborted and their prompts go back to the front of the sampler. Cuts the longest responses' tail, so it favours short answers (README, "Streaming dynamic sampling"). Sync trainer with rollout.engine=local only."""
+    """Stop a generation batch as soon as train_batch_size informative groups are complete (each group scored when its last sample ends); groups still running are aborted and their prompts go back to the front of the sampler. Cuts the longest responses' tail, so it favours short answers (README, "Streaming dynamic sampling"). Sync trainer; either engine (SGLang: one request per group, the rest aborted by rid)."""
 
 
 @dataclass

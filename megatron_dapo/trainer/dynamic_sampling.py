@@ -13,9 +13,10 @@ stops between two generation batches of a step resumes without generating them a
 Streaming (`filter_groups.streaming`): `StopWhenFull` is the engine's `on_groups_done` callback. It
 scores each group when its last sample ends and tells the engine to stop once the groups the step
 still needs are complete and informative; `finished_groups` then separates the complete groups from
-the cut ones (any aborted sample), whose prompts the trainer gives back to the sampler. Which groups
-the step trains on is decided as without streaming, by `add` on every rank from the collective
-scoring of the complete groups: the callback only decides when generation stops (on one rank).
+the cut ones (any aborted sample), whose prompts the trainer gives back to the sampler. The reward
+stage reuses the callback's scores (`stages.score_streamed`: each complete group is scored once, on
+the rank that ran the callback, and the values reach every rank). Which groups the step trains on is
+decided as without streaming, by `add` on every rank: the callback only decides when generation stops.
 
 Per step the buffer also counts what generation cost: every response token generated (cut, dropped
 and aborted ones included) against the response tokens trained on, the groups cut, and the mean
@@ -174,12 +175,17 @@ class StopWhenFull:
         self.need, self.metric, self.score_groups = need, metric, score_groups
         self.informative = 0
         self.pending: list[list[Sample]] = []
+        self.scored: dict[str, tuple[ScoredBatch, int]] = {}
+        """{group id: (the ScoredBatch that holds it, its first row)}: what the reward stage reuses
+        (stages.score_streamed), so a complete group is scored once."""
 
     def __call__(self, groups: list[list[Sample]]) -> bool:
         self.pending += groups
         if self.informative + len(self.pending) < self.need:
             return False
-        scored, self.pending = self.score_groups(self.pending), []
+        scored, groups, self.pending = self.score_groups(self.pending), self.pending, []
+        for g, group in enumerate(groups):
+            self.scored[group[0].prompt_id] = (scored, g * len(group))
         self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
         return self.informative >= self.need
 

@@ -165,8 +165,13 @@ class DAPOTrainer:
             scored = None
             if records:
                 with timer("reward"):
-                    scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
-                                          reward_manager=p.reward_manager, group=p.pgs.ctrl)
+                    if stop is None:
+                        scored = stages.score(rollout, records, n=cfg.rollout.n, tokenizer=p.tokenizer,
+                                              reward_manager=p.reward_manager, group=p.pgs.ctrl)
+                    else:  # the callback's scores, once per group (stages.score_streamed)
+                        scored = stages.score_streamed(rollout, records, stop.scored, n=cfg.rollout.n,
+                                                       tokenizer=p.tokenizer, reward_manager=p.reward_manager,
+                                                       group=p.pgs.ctrl)
             faults.maybe_crash("after_reward", step)
             self.buffer.add(scored, generated_tokens=generated, cut_groups=cut)
             if self.buffer.ready() or not self.buffer.check_budget():

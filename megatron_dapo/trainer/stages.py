@@ -99,22 +99,81 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     failed = [(k, sh["error"]) for k, sh in enumerate(shards) if sh["error"] is not None]
     if failed:
         raise RewardScoringError("reward scoring failed on " + "; ".join(f"rank {k}: {e}" for k, e in failed))
+    texts_of = (lambda k: text_shards[k]) if text_shards is not None else (lambda k: [""] * len(shards[k]["rows"]))
+    return _scored_batch(rollout, rows, [(sh["rows"], sh, texts_of(k)) for k, sh in enumerate(shards)])
+
+
+def _scored_batch(rollout, rows: Sequence[PromptRecord], parts) -> ScoredBatch:
+    """The ScoredBatch of `rollout` from parts (row positions, {"score", "reward", "extra"}, texts) that
+    together cover every row; rows: the record of each row."""
     B = len(rollout)
     score_t, reward_t = torch.zeros(B), torch.zeros(B)
-    extra: dict[str, list] = {k: [None] * B for sh in shards for k in sh["extra"]}
+    extra: dict[str, list] = {k: [None] * B for _, sh, _ in parts for k in sh["extra"]}
     all_texts = [""] * B
-    for k, sh in enumerate(shards):
-        idx = torch.tensor(sh["rows"], dtype=torch.long)
-        score_t[idx], reward_t[idx] = torch.tensor(sh["score"]), torch.tensor(sh["reward"])
+    for positions, sh, texts in parts:
+        idx = torch.tensor(positions, dtype=torch.long)
+        score_t[idx], reward_t[idx] = torch.tensor(sh["score"], dtype=torch.float32), torch.tensor(
+            sh["reward"], dtype=torch.float32)
         for key, vals in sh["extra"].items():
-            for i, v in zip(sh["rows"], vals, strict=True):
+            for i, v in zip(positions, vals, strict=True):
                 extra[key][i] = v
-        if text_shards is not None:
-            for i, t in zip(sh["rows"], text_shards[k], strict=True):
-                all_texts[i] = t
+        for i, t in zip(positions, texts, strict=True):
+            all_texts[i] = t
     extra["uid"] = [r.uid for r in rows]
     return ScoredBatch(rollout=rollout, raw_prompt=[r.raw_prompt for r in rows], response_text=all_texts,
                        ground_truth=[r.ground_truth for r in rows], scores=score_t, rewards=reward_t, extra=extra)
+
+
+def score_streamed(rollout, records: Sequence[PromptRecord], scored: dict[str, tuple[ScoredBatch, int]], *, n: int,
+                   tokenizer, reward_manager, group=None) -> ScoredBatch:
+    """`score` for a streaming generation batch of complete groups, reusing the scores the stop callback
+    computed: scored = {group id: (its ScoredBatch, first row of the group in it)}, filled on the rank
+    that ran the callback (rank 0 of `group`). That rank scores only the groups the callback did not
+    (reported after the stop, or left pending), then sends every row's values to the other ranks, so each
+    complete group is scored once. An error raises RewardScoringError on every rank."""
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    parts, error = None, None
+    if rank == 0:
+        try:
+            parts = _streamed_parts(rollout, records, scored, n=n, tokenizer=tokenizer, reward_manager=reward_manager)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            if world == 1:
+                raise
+            error = f"{type(e).__name__}: {e}"
+    if world > 1:
+        box = [(parts, error)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        parts, error = box[0]
+    if error is not None:
+        raise RewardScoringError(f"reward scoring failed on rank 0: {error}")
+    return _scored_batch(rollout, [records[i // n] for i in range(len(rollout))], parts)
+
+
+def _streamed_parts(rollout, records, scored, *, n: int, tokenizer, reward_manager) -> list:
+    from megatron_dapo.workers.batch import select_record
+
+    parts, missing = [], []
+    for g in range(len(records)):
+        gid = rollout.index[g * n]
+        if gid not in scored:
+            missing.append(g)
+            continue
+        chunk, first = scored[gid]
+        if list(chunk.rollout.index[first:first + n]) != [gid] * n:
+            raise RuntimeError(f"streamed scores of group {gid!r} do not line up with its rows")
+        at = range(first, first + n)
+        parts.append((list(range(g * n, g * n + n)),
+                      {"score": chunk.scores[first:first + n].tolist(), "reward": chunk.rewards[first:first + n].tolist(),
+                       "extra": {k: [v[i] for i in at] for k, v in chunk.extra.items() if k != "uid"}},
+                      [chunk.response_text[i] for i in at]))
+    if missing:
+        rows = [g * n + j for g in missing for j in range(n)]
+        fresh = score(select_record(rollout, rows), [records[g] for g in missing], n=n, tokenizer=tokenizer,
+                      reward_manager=reward_manager)
+        parts.append((rows, {"score": fresh.scores.tolist(), "reward": fresh.rewards.tolist(),
+                             "extra": {k: v for k, v in fresh.extra.items() if k != "uid"}}, fresh.response_text))
+    return parts
 
 
 def group_scorer(records: Sequence[PromptRecord], *, group_suffix: str, n: int, tokenizer, reward_manager,

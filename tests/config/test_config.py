@@ -124,15 +124,16 @@ def test_filter_groups_off_relaxes_its_checks():
 
 @pytest.mark.parametrize("override,names", [
     (["algorithm.filter_groups.enable=false", "data.gen_batch_size=null"], "algorithm.filter_groups.enable=false"),
-    (["rollout.engine=sglang", "model.hf_path=/m"], "rollout.engine=sglang"),
     (["queue.enable=true"], "queue.enable=true"),
 ])
 def test_streaming_is_refused_where_nothing_streams(override, names):
-    """Dynamic sampling off, an engine without generate_streaming, or the queue trainer: a named error."""
+    """Dynamic sampling off, or the queue trainer: a named error. Both engines stream."""
     with pytest.raises(ConfigError) as e:
         load_config(None, ["algorithm.filter_groups.streaming=true", *override])
     assert e.value.key == "algorithm.filter_groups.streaming" and names in str(e.value)
     assert load_config(None, ["algorithm.filter_groups.streaming=true"]).algorithm.filter_groups.streaming
+    assert load_config(None, ["algorithm.filter_groups.streaming=true", "rollout.engine=sglang",
+                              "model.hf_path=/m"]).algorithm.filter_groups.streaming
 
 
 def test_parallel_sizes_that_divide_the_world_are_accepted():

@@ -111,7 +111,8 @@ def test_two_process_layouts_reach_every_server_with_every_tensor(real_servers, 
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
           "--master_port", str(port), str(ROOT / "tests/sglang_real/_mp_train.py"), str(tmp_path),
           *train_overrides(real_servers.model_dir, real_servers.tokenizer_dir, _urls(real_servers),
-                           "rollout.mode=disaggregate", "trainer.n_gpus_per_node=2", *layout)], tmp_path)
+                           "rollout.mode=disaggregate", "trainer.n_gpus_per_node=2", "actor.entropy_coeff=0.01",
+                           *layout)], tmp_path)
     _check_log_probs(_scalars(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     assert [e["version"] for e in report] == list(range(STEPS + 1))
@@ -120,12 +121,12 @@ def test_two_process_layouts_reach_every_server_with_every_tensor(real_servers, 
             got = entry["servers"][url]
             assert got["weight_version"] == str(entry["version"])
             assert got["max_abs_diff"] < PROBE_DIFF_TOL, (entry["version"], url, got["max_abs_diff"])
-    # The weights moved over the run, so a stale tensor would show above. (Not every step moves them: a
-    # step whose groups all scored alike has zero advantages and, without a KL loss, no gradient.)
-    first, last = report[0], report[-1]
-    for url in real_servers.urls:
-        moved = max(abs(a - b) for a, b in zip(last["servers"][url]["logprobs"], first["servers"][url]["logprobs"]))
-        assert moved > 10 * PROBE_DIFF_TOL, (url, moved)
+    # Every step moves the weights (the entropy bonus has a gradient even when every group scored alike
+    # and the advantages are zero), so a stale tensor at any server would show above.
+    for prev, entry in zip(report, report[1:]):
+        for url in real_servers.urls:
+            moved = max(abs(a - b) for a, b in zip(entry["servers"][url]["logprobs"], prev["servers"][url]["logprobs"]))
+            assert moved > 10 * PROBE_DIFF_TOL, (entry["version"], url, moved)
 
 def _processes_in(directory: pathlib.Path) -> list:
     """Live processes whose working directory is under `directory` (launched servers run in their log

@@ -9,6 +9,7 @@ the prompts of the uninterrupted run; the cost metrics are the hand-computed one
 import dataclasses
 import json
 import pathlib
+from collections import Counter
 
 import pytest
 import torch
@@ -77,11 +78,24 @@ def _trained(dump_dir: pathlib.Path, step: int) -> list[str]:
     return [json.loads(line)["group"] for line in (dump_dir / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def test_with_nothing_cut_streaming_trains_on_the_prompts_of_the_run_without_it(tmp_path):
-    """gen_batch_size = train_batch_size: the stop can only come with the last group of a generation batch."""
+def _recording_scores(monkeypatch, log: list):
+    """Every row the reward stage or the stop callback scores, by group id (stages.score)."""
+    from megatron_dapo.trainer import stages
+
+    real = stages.score
+    monkeypatch.setattr(stages, "score", lambda rollout, *a, **k: log.extend(rollout.index) or real(rollout, *a, **k))
+
+
+def test_with_nothing_cut_streaming_trains_on_the_prompts_of_the_run_without_it(tmp_path, monkeypatch):
+    """gen_batch_size = train_batch_size: the stop can only come with the last group of a generation batch.
+    Each row is scored once (the reward stage reuses the callback's scores)."""
     args = [*FAST, "data.gen_batch_size=4", "trainer.total_training_steps=2", "trainer.experiment_name=s"]
     run(_cfg(tmp_path / "off", *args))
+    scored_rows: list = []
+    _recording_scores(monkeypatch, scored_rows)
     run(_cfg(tmp_path / "on", *args, "algorithm.filter_groups.streaming=true"))
+    assert set(Counter(scored_rows).values()) == {4}, "a group was scored twice (or in part)"  # rollout.n=4
+    assert {g for step in (1, 2) for g in _trained(tmp_path / "on/dumps", step)} <= set(scored_rows)
     off, on = _scalars(tmp_path / "off/s"), _scalars(tmp_path / "on/s")
     assert on["train/num_cut_groups"] == {1: 0.0, 2: 0.0}, "the setting must cut nothing"
     for step in (1, 2):
@@ -106,9 +120,12 @@ def test_cut_prompts_come_back_first_and_a_resume_neither_loses_nor_repeats_them
             "trainer.experiment_name=c", "algorithm.filter_groups.streaming=true"]
     log: list = []
     _recording_sampler(monkeypatch, log)
+    scored_rows: list = []
+    _recording_scores(monkeypatch, scored_rows)
     run(_cfg(tmp_path / "a", *args))
     a = _scalars(tmp_path / "a/c")
     assert a["train/num_cut_groups"][1] > 0, "the setting must cut groups at step 1"
+    assert set(Counter(scored_rows).values()) == {4}, "a group was scored twice (or in part)"
     # Every given-back list is the head of the next draw; drawn minus given back has no repeat.
     for (kind, items), nxt in zip(log, log[1:], strict=False):
         if kind == "push" and items:

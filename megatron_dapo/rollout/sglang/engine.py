@@ -19,7 +19,10 @@ Protocol (the request and reply layout: sglang.payloads):
   sampled token, before top-k / top-p filtering (SGLANG_RETURN_ORIGINAL_LOGPROB switches to the
   pre-temperature distribution: leave it unset so they match the actor's log-probs at temperature).
 - POST /abort_request {"abort_all": true}: in-flight requests finish with finish_reason "abort"
-  and their partial output. POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
+  and their partial output. {"rid": rid} aborts every request whose rid starts with `rid` (the
+  scheduler matches prefixes), so rids are prefix-free (`request_ids`).
+- Streaming (`generate_streaming`): one request per group, each group reported as its request returns;
+  after the stop the requests still running are aborted by rid. POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
   Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
@@ -39,15 +42,17 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import requests
 import torch
 
 from megatron_dapo.rollout.base import (
+    GroupsDone,
     PromptInput,
     RolloutEngine,
     RolloutEngineError,
@@ -72,6 +77,16 @@ from megatron_dapo.rollout.sglang.versions import SELECTORS, UnsupportedSGLangVe
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("in_place", "retract", "abort")
+ABORT_REPEAT_S = 0.5
+"""How often a streaming stop re-sends /abort_request for a request still running."""
+
+
+def request_ids(batch_id: str, attempt: int, count: int) -> list[str]:
+    """The rids of one attempt at one batch: `<batch>.<attempt>.<item>`, the item zero-padded to one width.
+    No rid is a prefix of another (batch ids differ before a '.', items have equal width): SGLang's
+    scheduler aborts every request whose rid *starts with* the aborted one."""
+    width = len(str(max(count - 1, 0)))
+    return [f"{batch_id}.{attempt}.{i:0{width}d}" for i in range(count)]
 
 class SGLangEngine(RolloutEngine):
     """Rollout over SGLang servers at `urls` (see the module docstring for the protocol)."""
@@ -135,6 +150,7 @@ class SGLangEngine(RolloutEngine):
         self._slot_free = threading.Condition()
         self._next_url = 0  # round-robin tie break between equally loaded servers
         self._abort_event = threading.Event()  # replaced by abort(); generate calls keep theirs
+        self._streams: set[threading.Event] = set()  # the stop events of streaming calls in progress
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrency * len(self.urls), thread_name_prefix="sglang"
         )
@@ -211,7 +227,7 @@ class SGLangEngine(RolloutEngine):
     def policy_version(self) -> int:
         return self._policy_version
 
-    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+    def _check_call(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> None:
         if self._closed:
             raise RolloutEngineError("SGLangEngine is closed")
         check_generate_inputs(prompts, sampling)
@@ -221,6 +237,9 @@ class SGLangEngine(RolloutEngine):
             logger.warning("SGLang servers run without --enable-deterministic-inference: sampling seeds are not "
                            "sent (SGLang would ignore them) and rollouts are not reproducible; "
                            "rollout.deterministic_inference=true launches the servers with it")
+
+    def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        self._check_call(prompts, sampling)
         items = [(p, j) for p in prompts for j in range(sampling.n)]
         batches = [items[i : i + self.max_batch_size] for i in range(0, len(items), self.max_batch_size)]
         aborted = self._abort_event
@@ -239,6 +258,74 @@ class SGLangEngine(RolloutEngine):
                 raise f.exception()
         return [s for f in futures for s in f.result()]
 
+    supports_streaming = True
+
+    def generate_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *,
+                           on_groups_done: GroupsDone) -> list[Sample]:
+        """`generate` that reports groups as they complete and stops when told (rollout.base, Streaming).
+
+        Each group (the n samples of one prompt) is one /generate request, whatever max_batch_size, so a
+        reply is a whole group: groups are reported as their requests return, several at once when they
+        return together. Once `on_groups_done` returns True (or raises), the requests still running are
+        aborted by rid (/abort_request per rid, repeated every ABORT_REPEAT_S for a request the server had
+        not registered yet: SGLang ignores the abort of a rid it does not know) and come back with their
+        partial output, finish_reason "abort"; those not yet sent come back aborted with no tokens.
+        Groups that complete after the stop are returned complete."""
+        self._check_call(prompts, sampling)
+        call_id = uuid.uuid4().hex[:12]
+        stop, failed = threading.Event(), threading.Event()
+        running: dict[str, tuple[str, list[str]]] = {}  # batch id -> (url, rids) of requests on a server
+        with self._sessions_lock:
+            self._streams.add(stop)
+        futures = {self._pool.submit(self._run_batch, [(p, j) for j in range(sampling.n)], sampling,
+                                     f"{call_id}-{k}", stop, failed, running): k
+                   for k, p in enumerate(prompts)}
+        groups: list[list[Sample] | None] = [None] * len(prompts)
+        pending, stopped, aborted_at = set(futures), False, {}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=ABORT_REPEAT_S if stopped else None,
+                                     return_when=FIRST_COMPLETED)
+                complete = []
+                for f in done:
+                    if f.exception() is not None:
+                        failed.set()
+                        raise f.exception()
+                    groups[futures[f]] = f.result()
+                    if not stopped and all(s.finish_reason != "abort" for s in groups[futures[f]]):
+                        complete.append(groups[futures[f]])
+                if complete and not stopped:
+                    try:
+                        stopped = bool(on_groups_done(complete))
+                    except BaseException:
+                        stopped = True
+                        raise
+                    finally:
+                        if stopped:
+                            stop.set()
+                if stopped:
+                    self._abort_running(running, aborted_at)
+        finally:
+            if pending:  # an error: nothing more is read, the rest is aborted
+                stop.set()
+                self._abort_running(running, aborted_at)
+            with self._sessions_lock:
+                self._streams.discard(stop)
+        return [s for g in groups for s in g]  # type: ignore[union-attr]  # every group was filled
+
+    def _abort_running(self, running: dict[str, tuple[str, list[str]]], sent_at: dict[str, float]) -> None:
+        """/abort_request for each rid of the requests running on a server; a rid already aborted is sent
+        again only after ABORT_REPEAT_S (the first may have reached the server before the request)."""
+        now = time.monotonic()
+        for url, rids in list(running.values()):
+            for rid in rids:
+                if now - sent_at.get(rid, -ABORT_REPEAT_S) < ABORT_REPEAT_S:
+                    continue
+                sent_at[rid] = now
+                err = self._post_control(url, "/abort_request", {"rid": rid}, self.connect_timeout_s)
+                if err is not None:
+                    logger.warning("abort of %s at %s failed: %s", rid, url, err)
+
     def _run_batch(
         self,
         batch: list[tuple[PromptInput, int]],
@@ -246,13 +333,14 @@ class SGLangEngine(RolloutEngine):
         batch_id: str,
         aborted: threading.Event,
         failed: threading.Event,
+        running: dict | None = None,
     ) -> list[Sample]:
         version = self._policy_version
-        rids = [f"{batch_id}-{i}" for i in range(len(batch))]
+        rids = request_ids(batch_id, 0, len(batch))
         reply, url = None, None
         if not (aborted.is_set() or failed.is_set()):
             payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured)
-            reply, url, rids = self._post_generate(payload, batch_id, aborted, failed)
+            reply, url, rids = self._post_generate(payload, batch_id, aborted, failed, running)
         if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
             return [self._sample(p, j, ParsedOutput((), (), "abort", {}), version) for p, j in batch]
         if not isinstance(reply, list) or len(reply) != len(batch):
@@ -290,25 +378,32 @@ class SGLangEngine(RolloutEngine):
         )
 
     def _post_generate(
-        self, payload: dict, batch_id: str, aborted: threading.Event, failed: threading.Event
+        self, payload: dict, batch_id: str, aborted: threading.Event, failed: threading.Event,
+        running: dict | None = None,
     ) -> tuple[Any, str | None, list[str]]:
         """POST /generate with retries: (reply, url, the rids of the answered attempt); (None, None, rids)
         when aborted first. A timed-out attempt's rids are aborted on its server before the retry,
-        which carries fresh rids."""
-        base_rids = list(payload["rid"])
-        rids = base_rids
+        which carries fresh rids. running: where the request is registered as (url, rids) while it is
+        on a server (a streaming call aborts those by rid)."""
+        rids = list(payload["rid"])
         last_error, last_url, timed_out = "", None, False
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
                 if aborted.wait(delay) or failed.is_set():
                     return None, None, rids
-                rids = [f"{r}.retry{attempt}" for r in base_rids]
+                rids = request_ids(batch_id, attempt, len(rids))
                 payload = {**payload, "rid": rids}
             if aborted.is_set() or failed.is_set():
                 return None, None, rids
             url = self._acquire_url()
             last_url = url
+            if running is not None:
+                running[batch_id] = (url, rids)
+                if aborted.is_set():  # a stop that came before the registration never aborts this one
+                    running.pop(batch_id, None)
+                    self._release_url(url)
+                    return None, None, rids
             try:
                 r = self._session().post(
                     url + "/generate", json=payload, timeout=(self.connect_timeout_s, self.request_timeout_s)
@@ -322,6 +417,8 @@ class SGLangEngine(RolloutEngine):
                 continue
             finally:
                 self._release_url(url)
+                if running is not None:
+                    running.pop(batch_id, None)
             if r.status_code >= 500:
                 last_error, timed_out = f"HTTP {r.status_code}: {r.text[:300]}", False
                 continue
@@ -387,6 +484,9 @@ class SGLangEngine(RolloutEngine):
         """
         old, self._abort_event = self._abort_event, threading.Event()
         old.set()
+        with self._sessions_lock:
+            for stop in self._streams:
+                stop.set()
         for url, err in self._post_all(
             "/abort_request", {"abort_all": True}, timeout_s=self.connect_timeout_s, check=False
         ):
