@@ -50,10 +50,11 @@ lint: install
 	$(BIN)/ruff check megatron_dapo kernels tests benchmarks
 	$(BIN)/python tools/check_line_counts.py
 
-# Every benchmark but the TRL comparison, which needs its own venv (make bench-trl).
-bench: install
+# Every benchmark but the TRL comparison, which needs its own venv (make bench-trl); the SGLang ones
+# start real servers from the SGLang venv.
+bench: install sglang-env
 	@for b in $(filter-out benchmarks/bench_vs_trl.py,$(wildcard benchmarks/bench_*.py)); do \
-		echo "== $$b"; $(BIN)/python $$b || exit 1; done
+		echo "== $$b"; MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python $$b || exit 1; done
 
 TRL_VENV ?= .venv-trl
 # TRL's GRPOTrainer against ours on one workload; TRL lives in its own venv, never a project dependency.

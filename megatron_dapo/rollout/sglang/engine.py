@@ -79,6 +79,8 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("in_place", "retract", "abort")
 ABORT_REPEAT_S = 0.5
 """How often a streaming stop re-sends /abort_request for a request still running."""
+ABORT_THREADS = 16
+"""/abort_request posts in flight at once when a streaming stop aborts the running requests."""
 
 
 def request_ids(batch_id: str, attempt: int, count: int) -> list[str]:
@@ -154,6 +156,7 @@ class SGLangEngine(RolloutEngine):
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrency * len(self.urls), thread_name_prefix="sglang"
         )
+        self._abort_pool = ThreadPoolExecutor(max_workers=ABORT_THREADS, thread_name_prefix="sglang-abort")
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
@@ -317,14 +320,17 @@ class SGLangEngine(RolloutEngine):
         """/abort_request for each rid of the requests running on a server; a rid already aborted is sent
         again only after ABORT_REPEAT_S (the first may have reached the server before the request)."""
         now = time.monotonic()
-        for url, rids in list(running.values()):
-            for rid in rids:
-                if now - sent_at.get(rid, -ABORT_REPEAT_S) < ABORT_REPEAT_S:
-                    continue
-                sent_at[rid] = now
-                err = self._post_control(url, "/abort_request", {"rid": rid}, self.connect_timeout_s)
-                if err is not None:
-                    logger.warning("abort of %s at %s failed: %s", rid, url, err)
+        todo = [(url, rid) for url, rids in list(running.values()) for rid in rids
+                if now - sent_at.get(rid, -ABORT_REPEAT_S) >= ABORT_REPEAT_S]
+        for _, rid in todo:
+            sent_at[rid] = now
+
+        def post(url: str, rid: str) -> None:
+            err = self._post_control(url, "/abort_request", {"rid": rid}, self.connect_timeout_s)
+            if err is not None:
+                logger.warning("abort of %s at %s failed: %s", rid, url, err)
+
+        wait([self._abort_pool.submit(post, url, rid) for url, rid in todo])  # in parallel: the rest runs meanwhile
 
     def _run_batch(
         self,
@@ -732,6 +738,7 @@ class SGLangEngine(RolloutEngine):
         self._closed = True
         self._abort_event.set()  # wakes batches waiting in a backoff
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._abort_pool.shutdown(wait=True, cancel_futures=True)
         with self._sessions_lock:
             for s in self._sessions:
                 s.close()
