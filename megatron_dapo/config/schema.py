@@ -332,9 +332,9 @@ class RolloutConfig:
     weight_sync_host: str = ""
     """Address the servers reach the trainer's weight senders at (their TCP stores); empty = loopback when every server is on loopback, else the interface that routes to the first server."""
     max_concurrency: int = 256
-    """Concurrent HTTP requests per SGLang engine."""
+    """Most HTTP generation requests in flight per SGLang server. Besides, a request is sent only when its server decodes its sequences at once (the running capacity the server reports: --max-running-requests or what its KV pool admits); the rest of the batch waits in the client."""
     request_timeout_s: float = 1800.0
-    """Timeout of one generation request."""
+    """Timeout of one generation request (up to 16 sequences, or one group when streaming). Requests are sent only when the server admits them, so this bounds their own generation time, not a queue: size it for the longest response (max_response_length at the servers' slowest decode rate)."""
     max_retries: int = 3
     """Retries of a failed request (exponential backoff)."""
     sglang_urls: list[str] = field(default_factory=list)

@@ -217,3 +217,13 @@ def test_model_and_server_info_use_the_current_routes(tmp_path, version):
     with StandinServer(toy=True, emulate_version=version, log_dir=tmp_path) as s, SGLangEngine([s.url]) as eng:
         assert eng.health()["servers"][0]["model_info"]["weight_version"] == "default"
         assert s.paths() == ["/server_info", "/health", "/model_info"]
+
+
+def test_running_capacity_is_what_the_schedulers_decode_at_once():
+    from megatron_dapo.rollout.sglang.versions import running_capacity
+
+    per_dp = {"effective_max_running_requests_per_dp": 48}
+    assert running_capacity({"internal_states": [per_dp, per_dp], "max_running_requests": 8}) == 96  # 2 DP ranks
+    assert running_capacity({"internal_states": [{}], "max_running_requests": 8}) == 8  # older: the launch flag
+    assert running_capacity({"max_running_requests": None}) is None
+    assert running_capacity({"internal_states": [{"effective_max_running_requests_per_dp": True}]}) is None

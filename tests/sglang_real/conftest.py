@@ -7,7 +7,8 @@ through the trainer's own launch path (`trainer.run.sglang_launch_plan` -> `buil
 `launch_servers`), with the CPU settings given as configuration (CPU_SERVER). They serve the model in
 fp32, so that their log-probs and greedy tokens can be compared with the fp32 actor's tightly.
 Server 0 runs with --context-length (data.max_prompt_length + data.max_response_length + 2, as the
-trainer launches), server 1 without (the model's 512 positions).
+trainer launches) and decodes at most SERVER0_RUNNING sequences at once, server 1 without either (the
+model's 512 positions).
 
 A missing or broken SGLang venv fails these tests: they are never skipped.
 """
@@ -28,6 +29,8 @@ SGLANG_VENV = ROOT / ".venv-sglang"
 
 PROMPT_LEN, RESPONSE_LEN = 24, 40
 """data.max_prompt_length / data.max_response_length the shared servers are launched for."""
+SERVER0_RUNNING = 8
+"""Server 0's --max-running-requests (the sequences it decodes at once; SGLang's default on this CPU is 2048)."""
 
 
 def sglang_python() -> str:
@@ -128,6 +131,8 @@ def real_servers(tiny_qwen2, tmp_path_factory):
         "trainer.n_gpus_per_node=2", f"rollout.server_base_port={free_port_pair()}", f"trainer.output_dir={log_dir}"])
     specs, launcher, env = sglang_launch_plan(cfg)
     assert len(specs) == 2 and specs[0].context_length == PROMPT_LEN + RESPONSE_LEN + 2
+    specs[0] = dataclasses.replace(specs[0], extra_args=(*specs[0].extra_args, "--max-running-requests",
+                                                         str(SERVER0_RUNNING)))
     specs[1] = dataclasses.replace(specs[1], context_length=None)
     t0 = time.monotonic()
     servers = launch_servers(specs, log_dir=log_dir, timeout_s=600, launcher=launcher, env=env)

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_dapo.rollout.base import PromptInput, RolloutEngineError, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
-from tests.sglang_real.conftest import PROMPT_LEN, RESPONSE_LEN
+from tests.sglang_real.conftest import PROMPT_LEN, RESPONSE_LEN, SERVER0_RUNNING
 
 MODEL_POSITIONS = 512  # tests/sglang_real/model.py: max_position_embeddings
 
@@ -129,3 +129,29 @@ def test_colocated_mode_refuses_servers_without_the_memory_saver_unless_the_conf
         _connect(load_config("configs/tiny_cpu.yaml", overrides), real_servers.urls)
     for more in (["rollout.require_memory_saver=false"], ["rollout.mode=disaggregate"]):
         _connect(load_config("configs/tiny_cpu.yaml", overrides + more), real_servers.urls).close()
+
+
+def test_a_batch_many_times_longer_than_the_request_timeout_completes_without_a_timeout(real_servers):
+    """The engine sends a request only when its server decodes it at once (its running capacity from
+    /server_info: --max-running-requests 8 on server 0), so a request's deadline is spent generating,
+    never queued behind the batch: 20 waves of fixed-length requests, request_timeout_s about 3 waves,
+    no retries allowed. (Posted at once, the last waves would wait ~19 waves in SGLang's queue.)"""
+    server = real_servers.servers[0]
+    n = PROMPT_LEN + RESPONSE_LEN - 10  # fixed length: min_new_tokens = max_new_tokens
+    fixed = SamplingParams(max_new_tokens=n, min_new_tokens=n, temperature=1.0)
+    with SGLangEngine([server.url]) as probe:
+        cap = probe.capacity[server.url]
+        assert cap == SERVER0_RUNNING
+        t0 = time.perf_counter()
+        probe.generate([_prompt(f"w{i}") for i in range(cap)], fixed)
+        wave_s = time.perf_counter() - t0
+    mark = _log_mark(server)
+    with SGLangEngine([server.url], request_timeout_s=3 * wave_s + 0.5, max_retries=0) as engine:
+        t0 = time.perf_counter()
+        out = engine.generate([_prompt(f"p{i}") for i in range(20 * cap)], fixed)
+        total_s = time.perf_counter() - t0
+    print(f"capacity {cap}: one wave {wave_s:.2f} s, 20 waves {total_s:.2f} s, request_timeout_s "
+          f"{engine.request_timeout_s:.2f}")
+    assert [(s.finish_reason, len(s.response_token_ids)) for s in out] == [("length", n)] * (20 * cap)
+    assert _log_since(server, mark).count("POST /generate") == 20, "requests of `cap` sequences, none sent twice"
+    assert total_s > 2 * engine.request_timeout_s

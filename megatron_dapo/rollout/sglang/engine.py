@@ -27,9 +27,12 @@ Protocol (the request and reply layout: sglang.payloads):
   Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
 
-Concurrency: at most `max_concurrency` requests in flight per server (blocking `requests` calls on
-a thread pool of max_concurrency x servers threads); each request carries up to `max_batch_size`
-items; a request goes to the server with the fewest requests in flight.
+Concurrency: each request carries up to `max_batch_size` items and goes to the server with the fewest
+sequences in flight that admits it now: at most `max_concurrency` requests, and no more sequences
+than the server decodes at once (its running capacity from /server_info: versions.running_capacity).
+Work beyond that waits here, not in SGLang's queue, so `request_timeout_s` bounds a request's own
+generation time however long the batch (blocking `requests` calls on a thread pool of
+max_concurrency x servers threads).
 Connection errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff
 (possibly on another server); HTTP 4xx is not retried. Before a timed-out request is retried its
 rids are aborted on the server that timed out (it would otherwise keep generating them), and the
@@ -148,7 +151,9 @@ class SGLangEngine(RolloutEngine):
         self.max_backoff_s = float(max_backoff_s)
         self.tp_size = tp_size
         self._policy_version = policy_version
-        self._inflight = dict.fromkeys(self.urls, 0)
+        self._inflight = dict.fromkeys(self.urls, 0)  # requests on each server
+        self._inflight_items = dict.fromkeys(self.urls, 0)  # and the sequences they carry
+        self.capacity: dict[str, int | None] = dict.fromkeys(self.urls)
         self._slot_free = threading.Condition()
         self._next_url = 0  # round-robin tie break between equally loaded servers
         self._abort_event = threading.Event()  # replaced by abort(); generate calls keep theirs
@@ -177,6 +182,7 @@ class SGLangEngine(RolloutEngine):
                              require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
         self.sglang_version, self.features = facts.version, facts.features
         self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
+        self.capacity = dict(zip(self.urls, facts.capacities, strict=True))
         self._spec = spec_fields(self.features)
         self._warned_unseeded = False
         if self._context_length is None:
@@ -244,7 +250,8 @@ class SGLangEngine(RolloutEngine):
     def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
         self._check_call(prompts, sampling)
         items = [(p, j) for p in prompts for j in range(sampling.n)]
-        batches = [items[i : i + self.max_batch_size] for i in range(0, len(items), self.max_batch_size)]
+        size = min([self.max_batch_size, *(c for c in self.capacity.values() if c is not None)])
+        batches = [items[i : i + size] for i in range(0, len(items), size)]
         aborted = self._abort_event
         failed = threading.Event()  # set when one batch fails: the others stop before sending
         call_id = uuid.uuid4().hex[:12]
@@ -402,14 +409,16 @@ class SGLangEngine(RolloutEngine):
                 payload = {**payload, "rid": rids}
             if aborted.is_set() or failed.is_set():
                 return None, None, rids
-            url = self._acquire_url()
+            url = self._acquire_url(len(rids))
             last_url = url
             if running is not None:
                 running[batch_id] = (url, rids)
-                if aborted.is_set():  # a stop that came before the registration never aborts this one
+            # Aborted while waiting for a server (or, streaming, before the registration a stop reads).
+            if aborted.is_set() or failed.is_set():
+                if running is not None:
                     running.pop(batch_id, None)
-                    self._release_url(url)
-                    return None, None, rids
+                self._release_url(url, len(rids))
+                return None, None, rids
             try:
                 r = self._session().post(
                     url + "/generate", json=payload, timeout=(self.connect_timeout_s, self.request_timeout_s)
@@ -422,7 +431,7 @@ class SGLangEngine(RolloutEngine):
                 last_error, timed_out = f"connection error: {e}", False
                 continue
             finally:
-                self._release_url(url)
+                self._release_url(url, len(rids))
                 if running is not None:
                     running.pop(batch_id, None)
             if r.status_code >= 500:
@@ -454,22 +463,34 @@ class SGLangEngine(RolloutEngine):
                 logger.warning("abort of timed-out request %s at %s failed: %s", rid, url, err)
                 return
 
-    def _acquire_url(self) -> str:
+    def _admits(self, url: str, items: int) -> bool:
+        """Whether `url` takes a request of `items` sequences now: fewer than max_concurrency requests, and
+        the sequences within what it decodes at once (its capacity; a request larger than that alone)."""
+        cap, busy = self.capacity.get(url), self._inflight_items[url]
+        return self._inflight[url] < self.max_concurrency and (cap is None or busy == 0 or busy + items <= cap)
+
+    def _acquire_url(self, items: int = 1) -> str:
+        """The least loaded server (in sequences) that admits the request now; waits for one. A request
+        is sent only when its server decodes it at once, so its time (request_timeout_s) is spent
+        generating, not queued behind the rest of the batch."""
         with self._slot_free:
             while True:
                 n = len(self.urls)
                 order = [self.urls[(self._next_url + k) % n] for k in range(n)]
-                url = min(order, key=self._inflight.__getitem__)
-                if self._inflight[url] < self.max_concurrency:
+                ready = [u for u in order if self._admits(u, items)]
+                if ready:
+                    url = min(ready, key=lambda u: (self._inflight_items[u], self._inflight[u]))
                     self._inflight[url] += 1
+                    self._inflight_items[url] += items
                     self._next_url = (self.urls.index(url) + 1) % n
                     return url
                 self._slot_free.wait()
 
-    def _release_url(self, url: str) -> None:
+    def _release_url(self, url: str, items: int = 1) -> None:
         with self._slot_free:
             self._inflight[url] -= 1
-            self._slot_free.notify()
+            self._inflight_items[url] -= items
+            self._slot_free.notify_all()
 
     def _session(self) -> requests.Session:
         s = getattr(self._local, "session", None)

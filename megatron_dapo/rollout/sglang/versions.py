@@ -134,6 +134,23 @@ def request_token_limit(info: dict) -> int | None:
     return None
 
 
+def running_capacity(info: dict) -> int | None:
+    """How many sequences one server decodes at once: the sum over its data-parallel schedulers of
+    `internal_states[i].effective_max_running_requests_per_dp` (0.5.23: the scheduler's own limit,
+    from --max-running-requests or the KV pool), else its --max-running-requests; None when it reports
+    neither. Work beyond it waits in the server's queue."""
+    def positive(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    states = info.get("internal_states")
+    if isinstance(states, list) and states:
+        per_dp = [st.get("effective_max_running_requests_per_dp") if isinstance(st, dict) else None for st in states]
+        if all(positive(v) for v in per_dp):
+            return sum(per_dp)
+    cap = info.get("max_running_requests")
+    return cap if positive(cap) else None
+
+
 @dataclass(frozen=True)
 class ServerFacts:
     """What the client learns at connect from the servers' /server_info."""
@@ -145,6 +162,8 @@ class ServerFacts:
     smallest over the servers); None when no server reports one."""
     seeds_honoured: bool
     """Every server runs with --enable-deterministic-inference (SGLang honours sampling_seed only then)."""
+    capacities: tuple[int | None, ...] = ()
+    """running_capacity of each server, in the order given."""
 
 
 def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False,
@@ -175,4 +194,4 @@ def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool =
             "would stay in the accelerator memory the actor trains in; relaunch them with the flag, or set "
             "rollout.require_memory_saver=false when they do not share the trainer's accelerator memory")
     return ServerFacts(version=version, features=features_for(version), context_length=min(limits) if limits else None,
-                       seeds_honoured=not off)
+                       seeds_honoured=not off, capacities=tuple(running_capacity(i) for _, i in infos))
