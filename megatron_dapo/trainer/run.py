@@ -374,6 +374,18 @@ def _warmup_probe(cfg: Config, parts):
     return probe
 
 
+def close_parts(parts) -> None:
+    """Release what build_parts opened: reward workers, SGLang weight-update groups, the engine (and the
+    servers it launched), the metric sinks."""
+    parts.reward_manager.close()
+    sync = getattr(parts.sync_weights, "sync", None)  # SGLang weight-update groups
+    if sync is not None:
+        sync.close()
+    parts.engine.close()
+    if parts.logger is not None:
+        parts.logger.close()
+
+
 def build_trainer(cfg: Config):
     """Parts, the supervised warm-up, the reference (when a KL term is used), then the trainer:
     the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
@@ -409,13 +421,7 @@ def run(cfg: Config) -> int:
     try:
         val = trainer.fit()
     finally:
-        parts.reward_manager.close()
-        sync = getattr(parts.sync_weights, "sync", None)  # SGLang weight-update groups
-        if sync is not None:
-            sync.close()
-        parts.engine.close()
-        if parts.logger is not None:
-            parts.logger.close()
+        close_parts(parts)
     if parts.pgs.rank == 0:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
         print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")

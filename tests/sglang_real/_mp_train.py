@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import load_config
-from megatron_dapo.trainer.run import build_trainer
+from megatron_dapo.trainer.run import build_trainer, close_parts
 from tests.trainer._mp_cluster import actor_export
 
 PROBE = [1, 4, 13, 5, 16, 7, 17, 9, 14, 3, 15, 11, 16, 6, 8, 10, 12, 17, 4, 5]
@@ -73,11 +73,7 @@ def main(out: str, overrides: list[str]) -> None:
         trainer.fit()
     finally:
         trainer.sync_weights = push
-        push.sync.close()
-        trainer.p.engine.close()
-        trainer.p.reward_manager.close()
-        if trainer.p.logger is not None:
-            trainer.p.logger.close()
+        close_parts(trainer.p)
     if pgs.rank == 0:
         with open(f"{out}/report.json", "w") as f:
             json.dump(report, f, indent=1)

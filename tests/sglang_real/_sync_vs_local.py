@@ -22,7 +22,7 @@ from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
 from megatron_dapo.rollout.local_engine import LocalEngine
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
-from megatron_dapo.trainer.run import build_parts
+from megatron_dapo.trainer.run import build_parts, close_parts
 
 PROMPTS = [PromptInput(f"p{i}", tuple([1] + ids)) for i, ids in enumerate([
     [4, 13, 5, 16, 7], [17, 9, 14, 3, 15, 11], [16, 6, 8], [10, 12, 17, 4, 5, 6, 7, 8], [3, 3, 3, 3],
@@ -60,9 +60,7 @@ def main(out: str, transport: str, overrides: list[str]) -> None:
                     entry["servers"][url] = greedy(one)
             report.append(entry)
     finally:
-        parts.sync_weights.sync.close()
-        parts.engine.close()
-        parts.reward_manager.close()
+        close_parts(parts)
     with open(f"{out}/sync_vs_local.json", "w") as f:
         json.dump(report, f, indent=1)
 

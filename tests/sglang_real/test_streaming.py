@@ -70,21 +70,18 @@ def test_streaming_reports_complete_groups_and_aborts_the_running_ones_by_rid(re
 
 def test_streaming_trainer_on_real_servers_loses_and_repeats_nothing(real_servers, tmp_path, monkeypatch):
     from megatron_dapo.config import load_config
-    from megatron_dapo.data.sampler import ResumableSampler
-    from megatron_dapo.trainer import stages
     from megatron_dapo.trainer.run import run
     from tests.sglang_real.test_train import MEAN_DIFF_TOL, _scalars, train_overrides
+    from tests.trainer.test_streaming import (
+        assert_given_back_first_and_never_repeated,
+        recording_sampler,
+        recording_scores,
+    )
 
     draws: list = []
-    real_next, real_push = ResumableSampler.next_batch, ResumableSampler.push_front
-    monkeypatch.setattr(ResumableSampler, "next_batch",
-                        lambda self: draws.append(("next", real_next(self))) or draws[-1][1])
-    monkeypatch.setattr(ResumableSampler, "push_front",
-                        lambda self, items: draws.append(("push", list(items))) or real_push(self, items))
+    recording_sampler(monkeypatch, draws)
     scored_rows: list = []
-    real_score = stages.score
-    monkeypatch.setattr(stages, "score", lambda rollout, *a, **k: scored_rows.extend(rollout.index)
-                        or real_score(rollout, *a, **k))
+    recording_scores(monkeypatch, scored_rows)
     overrides = train_overrides(real_servers.model_dir, real_servers.tokenizer_dir,
                                 f"rollout.sglang_urls=[{','.join(real_servers.urls)}]", "rollout.mode=disaggregate",
                                 f"trainer.output_dir={tmp_path}", "algorithm.filter_groups.enable=true",
@@ -96,13 +93,5 @@ def test_streaming_trainer_on_real_servers_loses_and_repeats_nothing(real_server
     assert all(d < MEAN_DIFF_TOL for d in scalars["rollout_corr/log_prob_abs_diff"].values())
     cut = scalars["train/num_cut_groups"]
     assert sorted(cut) == [1, 2, 3] and sum(cut.values()) > 0, cut
-    for (kind, items), nxt in zip(draws, draws[1:], strict=False):
-        if kind == "push" and items:
-            assert nxt[0] == "next" and nxt[1][:len(items)] == items
-    used = [i for kind, items in draws if kind == "next" for i in items]
-    for kind, items in draws:
-        if kind == "push":
-            for i in items:
-                used.remove(i)
-    assert len(used) == len(set(used)), "a prompt was drawn twice without being given back"
+    assert_given_back_first_and_never_repeated(draws)
     assert set(Counter(scored_rows).values()) == {4}, "a group was scored twice (or in part)"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_dapo.config import load_config
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.models.hf import iter_hf_tensors
-from megatron_dapo.trainer.run import build_trainer
+from megatron_dapo.trainer.run import build_trainer, close_parts
 from megatron_dapo.workers.model_arch import model_arch
 from tests.standin import tensor_checksum
 
@@ -76,11 +76,7 @@ def main(out: str, overrides: list[str]) -> None:
     try:
         trainer.fit()
     finally:
-        push.sync.close()
-        trainer.p.engine.close()
-        trainer.p.reward_manager.close()
-        if trainer.p.logger is not None:
-            trainer.p.logger.close()
+        close_parts(trainer.p)
     if pgs.rank == 0:
         with open(f"{out}/report.json", "w") as f:
             json.dump(report, f, indent=1)

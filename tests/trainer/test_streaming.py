@@ -10,6 +10,7 @@ import dataclasses
 import json
 import pathlib
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,18 +56,24 @@ def test_costs_survive_the_in_flight_state():
 
 def test_stop_when_full_counts_informative_groups_until_the_need_is_met():
     """need 3: groups wait unscored while all of them together could not meet it (a, b; then d after one of a, b, c
-    was informative)."""
+    was informative). Every group it scored is kept for the reward stage, with its rows."""
     acc = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [1, 0], "e": [0, 1]}
     calls = []
 
     def score_groups(groups):
-        calls.append([g[0] for g in groups])
+        calls.append([g[0].prompt_id for g in groups])
         return scored({gid: acc[gid] for gid in calls[-1]})
 
+    def group(gid):
+        return [SimpleNamespace(prompt_id=gid)] * 2
+
     stop = StopWhenFull(need=3, metric="acc", score_groups=score_groups)
-    assert [stop([["a"] * 2]), stop([["b"] * 2]), stop([["c"] * 2]), stop([["d"] * 2]), stop([["e"] * 2])] == \
+    assert [stop([group("a")]), stop([group("b")]), stop([group("c")]), stop([group("d")]), stop([group("e")])] == \
         [False, False, False, False, True]
     assert calls == [["a", "b", "c"], ["d", "e"]] and stop.informative == 3
+    for gid in "abcde":
+        batch, first = stop.scored[gid]
+        assert batch.rollout.index[first:first + 2] == [gid, gid] and batch.extra["acc"][first:first + 2] == acc[gid]
 
 
 def test_a_group_with_any_aborted_sample_is_cut():
@@ -78,7 +85,7 @@ def _trained(dump_dir: pathlib.Path, step: int) -> list[str]:
     return [json.loads(line)["group"] for line in (dump_dir / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def _recording_scores(monkeypatch, log: list):
+def recording_scores(monkeypatch, log: list):
     """Every row the reward stage or the stop callback scores, by group id (stages.score)."""
     from megatron_dapo.trainer import stages
 
@@ -92,7 +99,7 @@ def test_with_nothing_cut_streaming_trains_on_the_prompts_of_the_run_without_it(
     args = [*FAST, "data.gen_batch_size=4", "trainer.total_training_steps=2", "trainer.experiment_name=s"]
     run(_cfg(tmp_path / "off", *args))
     scored_rows: list = []
-    _recording_scores(monkeypatch, scored_rows)
+    recording_scores(monkeypatch, scored_rows)
     run(_cfg(tmp_path / "on", *args, "algorithm.filter_groups.streaming=true"))
     assert set(Counter(scored_rows).values()) == {4}, "a group was scored twice (or in part)"  # rollout.n=4
     assert {g for step in (1, 2) for g in _trained(tmp_path / "on/dumps", step)} <= set(scored_rows)
@@ -104,7 +111,22 @@ def test_with_nothing_cut_streaming_trains_on_the_prompts_of_the_run_without_it(
         assert on["train/gen_tokens_per_trained_token"][step] == off["train/gen_tokens_per_trained_token"][step]
 
 
-def _recording_sampler(monkeypatch, log: list):
+def assert_given_back_first_and_never_repeated(log: list) -> None:
+    """On a recording_sampler log: every given-back list is the head of the next draw, and what was drawn
+    minus what was given back has no repeat."""
+    for (kind, items), nxt in zip(log, log[1:], strict=False):
+        if kind == "push" and items:
+            assert nxt[0] == "next" and nxt[1][:len(items)] == items
+    used = [i for kind, items in log if kind == "next" for i in items]
+    for kind, items in log:
+        if kind == "push":
+            for i in items:
+                used.remove(i)
+    assert len(used) == len(set(used)), "a prompt was drawn twice without being given back"
+
+
+def recording_sampler(monkeypatch, log: list):
+    """Record every draw ("next", items) and give-back ("push", items) of the ResumableSampler in `log`."""
     real_next, real_push = ResumableSampler.next_batch, ResumableSampler.push_front
     monkeypatch.setattr(ResumableSampler, "next_batch", lambda self: log.append(("next", real_next(self))) or log[-1][1])
     monkeypatch.setattr(ResumableSampler, "push_front",
@@ -119,23 +141,14 @@ def test_cut_prompts_come_back_first_and_a_resume_neither_loses_nor_repeats_them
     args = [*FAST, "data.gen_batch_size=8", "rollout.max_num_seqs=8", "trainer.total_training_steps=3", "trainer.save_freq=1",
             "trainer.experiment_name=c", "algorithm.filter_groups.streaming=true"]
     log: list = []
-    _recording_sampler(monkeypatch, log)
+    recording_sampler(monkeypatch, log)
     scored_rows: list = []
-    _recording_scores(monkeypatch, scored_rows)
+    recording_scores(monkeypatch, scored_rows)
     run(_cfg(tmp_path / "a", *args))
     a = _scalars(tmp_path / "a/c")
     assert a["train/num_cut_groups"][1] > 0, "the setting must cut groups at step 1"
     assert set(Counter(scored_rows).values()) == {4}, "a group was scored twice (or in part)"
-    # Every given-back list is the head of the next draw; drawn minus given back has no repeat.
-    for (kind, items), nxt in zip(log, log[1:], strict=False):
-        if kind == "push" and items:
-            assert nxt[0] == "next" and nxt[1][:len(items)] == items
-    used = [i for kind, items in log if kind == "next" for i in items]
-    for kind, items in log:
-        if kind == "push":
-            for i in items:
-                used.remove(i)
-    assert len(used) == len(set(used))
+    assert_given_back_first_and_never_repeated(log)
     final = torch.load(tmp_path / "a/c/ckpt/global_step_3/trainer_state.pt", weights_only=True)["sampler"]
     assert final["front"] == [i for kind, items in log[-1:] if kind == "push" for i in items]
 
