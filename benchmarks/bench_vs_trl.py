@@ -414,7 +414,7 @@ def report(name: str, ours: dict, trl: dict, spec: dict, floor: dict, *, threads
             "trl_s_per_step": [round(x, 3) for x in trl["seconds"]],
             "ours_tokens": sum(ours["tokens"]), "trl_tokens": sum(trl["tokens"]), "params": ours["params"],
             "probe_logits_max_abs_diff": trl["probe_logits_max_abs_diff"]}
-    if name == "toy":  # the toy's earlier compute figures, kept comparable with the README's
+    if name == "toy":  # the toy's earlier compute figures, kept comparable with docs/benchmarks.md's
         flops_per_token = 8 * _linear_params(m, vocab)
         trl_tokens = round(sum(trl["tokens"]) / len(trl["tokens"]))
         peak = _matmul_peak_gflops(m, trl_tokens, threads)

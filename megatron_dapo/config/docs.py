@@ -1,7 +1,7 @@
-"""Generate the README's config-key table from the field docstrings of the config tree.
+"""Generate the config-key table of docs/configuration.md from the field docstrings of the config tree.
 
-`python -m megatron_dapo.config.docs` prints the table; `--write README.md` replaces the block
-between the CONFIG-TABLE markers. A test keeps README.md in sync with the schema.
+`python -m megatron_dapo.config.docs` prints the table; `--write docs/configuration.md` replaces the
+block between the CONFIG-TABLE markers. A test keeps the page in sync with the schema.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 YAML recipes (configs/*.yaml) hold only overrides; `loader.py` applies base -> recipe -> dotlist.
 Each field has a docstring under it; a trailing `[recipe: ...]` names the key of the DAPO recipe
-(verl's `recipe/dapo`) it corresponds to, and the README table is generated from these docstrings
+(verl's `recipe/dapo`) it corresponds to, and the docs/configuration.md table is generated from these docstrings
 (`python -m megatron_dapo.config.docs`). The defaults are the embedded CPU run (a tiny Megatron model
 on the synthetic arithmetic task) with the DAPO algorithm settings; the 32B recipes override sizes.
 
@@ -454,7 +454,7 @@ class FilterGroupsConfig:
     on_exhausted: Literal["raise", "train_on_available"] = "raise"
     """Past max_num_gen_batches: stop with an error (as the recipe), or train on the groups kept so far."""
     streaming: bool = False
-    """Stop a generation batch as soon as train_batch_size informative groups are complete (each group scored when its last sample ends); groups still running are aborted and their prompts go back to the front of the sampler. Cuts the longest responses' tail, so it favours short answers (README, "Streaming dynamic sampling"). Sync trainer; either engine (SGLang: one request per group, the rest aborted by rid)."""
+    """Stop a generation batch as soon as train_batch_size informative groups are complete (each group scored when its last sample ends); groups still running are aborted and their prompts go back to the front of the sampler. Cuts the longest responses' tail, so it favours short answers (docs/dapo-step.md, "Streaming dynamic sampling"). Sync trainer; either engine (SGLang: one request per group, the rest aborted by rid)."""
 
 
 @dataclass

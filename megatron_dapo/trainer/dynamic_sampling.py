@@ -21,7 +21,7 @@ decided as without streaming, by `add` on every rank: the callback only decides 
 Per step the buffer also counts what generation cost: every response token generated (cut, dropped
 and aborted ones included) against the response tokens trained on, the groups cut, and the mean
 response length of the trained rows against that of every finished row (cutting the tail of a
-batch favours short answers: README, "Streaming dynamic sampling").
+batch favours short answers: docs/dapo-step.md, "Streaming dynamic sampling").
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ ramped over 100 steps rose 0.33 -> 0.43 in 50 steps and fell back to 0.28 as its
 constant 5e-4 held but rose slowly (0.59 at step 300). lr 3e-3 at batch 64 tracked 2e-3 (probe 0.135
 against 0.143 at step 1450). Batch 128 at lr 2.8e-3, batch 64 at 2e-3 under Adam's square-root scaling
 (the same gradient noise per example), reached the target in 386-635 steps (seeds 42 and 1) and RL lifted
-it at lr 1e-3 (the embedded default; README). torch.compile of the training forward (inductor, with the
+it at lr 1e-3 (the embedded default; docs/embedded-default.md). torch.compile of the training forward (inductor, with the
 engine's SDPA core attention and outside CudaToCpuMode) took a step from 112 to 92 ms after 72 s of
 compilation: less than it costs over a 2000-step warm-up.
 """

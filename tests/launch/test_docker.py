@@ -1,6 +1,6 @@
 """docker/Dockerfile cannot be built here (no registry for the NGC base image), so: it parses as a
 Dockerfile, its shell steps parse with bash -n, what it copies exists, every package it installs is
-named in pyproject.toml or the README, the SGLang requirement filter keeps the image's torch and refuses
+named in pyproject.toml or the README / docs, the SGLang requirement filter keeps the image's torch and refuses
 a torch of another minor, and `make docker` builds it."""
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def _named_packages() -> set[str]:
 
 
 def test_every_installed_package_is_named_in_pyproject_or_the_readme():
-    named, readme = _named_packages(), (REPO / "README.md").read_text().lower()
+    named = _named_packages()
+    readme = " ".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]).lower()
     extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     installs = _pip_installs()
     assert installs, "the Dockerfile installs nothing"

@@ -3,7 +3,7 @@
 math_dapo must equal verl's math_dapo on every case (score, acc and pred, exactly: they are strings
 and booleans). math_verify must give verl's math_verify score on every case. The cases (hand-written
 edge cases, generated responses, fuzz strings) are listed in tools/verl_reference.py; the assets
-are regenerated with `.venv-verl/bin/python tools/verl_reference.py` (see the README).
+are regenerated with `.venv-verl/bin/python tools/verl_reference.py` (see docs/rewards-and-losses.md).
 """
 
 import json

@@ -110,7 +110,7 @@ def features_for(version: str, *, where: str = "the server") -> ReleaseFeatures:
     if not lo <= v <= hi:
         raise UnsupportedSGLangVersion(
             f"{where} runs SGLang {version}; megatron_dapo supports SGLang {SUPPORTED[0]} to {SUPPORTED[1]} "
-            "(README, 'SGLang releases'): use a release in that range")
+            "(docs/rollout.md, 'SGLang releases'): use a release in that range")
     features = ReleaseFeatures(version=v)
     for release, change in CHANGES:
         if v >= parse_version(release):
