@@ -10,17 +10,15 @@ Writes OUT/report.json (rank 0): per sync, the version and per server its report
 the max |log-prob difference| to the export, and its probe log-probs (and the export's own).
 """
 
-import json
 import logging
 import sys
 
 import requests
 import torch
-import torch.distributed as dist
 
 from megatron_dapo.config import load_config
-from megatron_dapo.trainer.run import build_trainer, close_parts
-from tests.trainer._mp_cluster import actor_export
+from megatron_dapo.trainer.run import build_trainer
+from tests.trainer._mp_cluster import actor_export, fit_and_report
 
 PROBE = [1, 4, 13, 5, 16, 7, 17, 9, 14, 3, 15, 11, 16, 6, 8, 10, 12, 17, 4, 5]
 """A fixed sequence over the arithmetic vocabulary (ids 1..17)."""
@@ -69,16 +67,7 @@ def main(out: str, overrides: list[str]) -> None:
             report.append(entry)
 
     trainer.sync_weights = checked_push
-    try:
-        trainer.fit()
-    finally:
-        trainer.sync_weights = push
-        close_parts(trainer.p)
-    if pgs.rank == 0:
-        with open(f"{out}/report.json", "w") as f:
-            json.dump(report, f, indent=1)
-    if pgs.world_size > 1:
-        dist.barrier(group=pgs.ctrl)
+    fit_and_report(trainer, out, report=report)
 
 
 if __name__ == "__main__":

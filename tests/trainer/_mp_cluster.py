@@ -14,13 +14,12 @@ import logging
 import sys
 
 import requests
-import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import load_config
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.models.hf import iter_hf_tensors
-from megatron_dapo.trainer.run import build_trainer
+from megatron_dapo.trainer.run import build_trainer, close_parts
 from megatron_dapo.workers.model_arch import model_arch
 from tests.standin import tensor_checksum
 
@@ -49,6 +48,22 @@ def actor_export(trainer, fn=lambda t: t.detach().clone()) -> dict | None:
         assert not dup, f"tensors exported by two ranks: {sorted(dup)[:3]}"
         out.update(part)
     return out
+
+
+def fit_and_report(trainer, out: str, **rank0_files) -> None:
+    """Run `fit`, release the trainer's parts whatever happens, then write each of `rank0_files` as
+    OUT/<name>.json on rank 0 (what the hooks recorded during the run) and wait for every rank."""
+    try:
+        trainer.fit()
+    finally:
+        close_parts(trainer.p)
+    pgs = trainer.p.pgs
+    if pgs.rank == 0:
+        for name, data in rank0_files.items():
+            with open(f"{out}/{name}.json", "w") as f:
+                json.dump(data, f, indent=1)
+    if pgs.world_size > 1:
+        dist.barrier(group=pgs.ctrl)
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -87,17 +102,13 @@ def main(out: str, overrides: list[str]) -> None:
     try:
         trainer.fit()
     finally:
-        sync.close()
-        trainer.p.engine.close()
-        trainer.p.reward_manager.close()
-        if trainer.p.logger is not None:
-            trainer.p.logger.close()
+        close_parts(trainer.p)
     with open(f"{out}/sync_stats.rank{pgs.rank}.json", "w") as f:
         json.dump(stats, f)
     if pgs.rank == 0:
         with open(f"{out}/report.json", "w") as f:
             json.dump(report, f, indent=1)
-    torch.distributed.barrier(group=pgs.ctrl)
+    dist.barrier(group=pgs.ctrl)
 
 
 if __name__ == "__main__":

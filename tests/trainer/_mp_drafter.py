@@ -10,7 +10,6 @@ the version, the counts compared, every mismatch and a digest of the MTP export;
 """
 
 import hashlib
-import json
 import logging
 import sys
 
@@ -20,9 +19,10 @@ import torch.distributed as dist
 from megatron_dapo.config import load_config
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.models.hf import iter_hf_tensors
-from megatron_dapo.trainer.run import build_trainer, close_parts
+from megatron_dapo.trainer.run import build_trainer
 from megatron_dapo.workers.model_arch import model_arch
 from tests.standin import tensor_checksum
+from tests.trainer._mp_cluster import fit_and_report
 
 
 def actor_export(trainer) -> dict | None:
@@ -73,17 +73,7 @@ def main(out: str, overrides: list[str]) -> None:
     if trainer.p.logger is not None:
         log_one = trainer.p.logger.log
         trainer.p.logger.log = lambda metrics, step: logged.setdefault(step, {}).update(log_one(metrics, step)) or {}
-    try:
-        trainer.fit()
-    finally:
-        close_parts(trainer.p)
-    if pgs.rank == 0:
-        with open(f"{out}/report.json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(f"{out}/metrics.json", "w") as f:
-            json.dump(logged, f, indent=1)
-    if pgs.world_size > 1:
-        dist.barrier(group=pgs.ctrl)
+    fit_and_report(trainer, out, report=report, metrics=logged)
 
 
 if __name__ == "__main__":
