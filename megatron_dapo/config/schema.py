@@ -336,7 +336,13 @@ class RolloutConfig:
     request_timeout_s: float = 1800.0
     """Timeout of one generation request (up to 16 sequences, or one group when streaming). Requests are sent only when the server admits them, so this bounds their own generation time, not a queue: size it for the longest response (max_response_length at the servers' slowest decode rate)."""
     max_retries: int = 3
-    """Retries of a failed request (exponential backoff)."""
+    """Retries of a failed request (exponential backoff). A request whose server is lost (connection refused or dropped) is re-sent at once to another server without using a retry."""
+    health_check_interval_s: float = 5.0
+    """engine=sglang: how often rank 0 checks each server (/health, then its weight version). A server that refuses connections or fails 3 checks in a row leaves the rotation; its requests go to the others; it comes back when it answers with the weights the trainer last pushed (a restarted one after the next weight sync)."""
+    server_down_timeout_s: float = 600.0
+    """engine=sglang: how long generation or a weight sync waits with no server taking requests before the run stops with AllServersDown (on every rank, before the step's checkpoint)."""
+    restart_servers: bool = True
+    """engine=sglang: restart a server this trainer launched when it dies (same command, log appended); it rejoins at the first weight sync after it answers. Servers given by rollout.sglang_urls are polled, never restarted."""
     sglang_urls: list[str] = field(default_factory=list)
     """SGLang servers to use; empty = launch one per rollout.tensor_model_parallel_size GPUs: on the Ray cluster when RAY_ADDRESS is set (the SLURM launcher), else on this node."""
     server_host: str = "127.0.0.1"
@@ -375,6 +381,8 @@ class RolloutConfig:
         _check(self.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", "> 0", self.weight_sync_timeout_s)
         _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
+        _check(self.health_check_interval_s > 0, "rollout.health_check_interval_s", "> 0", self.health_check_interval_s)
+        _check(self.server_down_timeout_s > 0, "rollout.server_down_timeout_s", "> 0", self.server_down_timeout_s)
         for i, item in enumerate(self.server_env):
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ConfigError(f"rollout.server_env[{i}]", f"expected KEY=VALUE, got {item!r}")

@@ -55,7 +55,7 @@ def _sglang_engine(cfg: Config, pgs):
     engine, servers = None, []
     if pgs.rank == 0:
         servers = [] if r.sglang_urls else _launch_sglang(cfg)
-        engine = _connect(cfg, list(r.sglang_urls) or _urls(servers))
+        engine = _connect(cfg, list(r.sglang_urls) or _urls(servers), servers)
     return RankZeroEngine(engine, rank=pgs.rank, world_size=pgs.world_size, group=pgs.ctrl, servers=servers)
 
 
@@ -63,14 +63,30 @@ def _urls(servers) -> list[str]:
     return [u for s in servers for u in getattr(s, "urls", [getattr(s, "url", None)])]
 
 
-def _connect(cfg: Config, urls: list[str]):
+def _connect(cfg: Config, urls: list[str], servers=()):
+    """The engine over `urls`; `servers`: the ones this trainer launched, restarted when they die
+    (rollout.restart_servers)."""
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
     r = cfg.rollout
     return SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                         max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
                         require_deterministic=r.deterministic_inference,
-                        require_memory_saver=r.mode == "colocate" and r.require_memory_saver)
+                        require_memory_saver=r.mode == "colocate" and r.require_memory_saver,
+                        health_check_interval_s=r.health_check_interval_s,
+                        server_down_timeout_s=r.server_down_timeout_s,
+                        restart=_restarter(servers) if servers and r.restart_servers else None)
+
+
+def _restarter(servers):
+    """url -> restart of the launched server that serves it (a ServerProcess, or Ray-placed servers)."""
+    by_url = {}
+    for s in servers:
+        if hasattr(s, "restart_url"):
+            by_url.update({u: (lambda u=u, s=s: s.restart_url(u)) for u in s.urls})
+        else:
+            by_url[s.url] = s.restart
+    return lambda url: by_url[url]()
 
 
 def sglang_launch_plan(cfg: Config):
@@ -215,7 +231,7 @@ def weight_sync(cfg: Config, parts):
         for server in parts.engine.servers:
             server.stop()
         parts.engine.servers = _launch_sglang(mode(on))
-        return _connect(cfg, _urls(parts.engine.servers))
+        return _connect(cfg, _urls(parts.engine.servers), parts.engine.servers)
 
     r = cfg.rollout
     train = SamplingParams(max_new_tokens=cfg.data.max_response_length, n=r.n, temperature=r.temperature,
@@ -252,22 +268,42 @@ def _sglang_push(cfg: Config, parts):
     sync.setup()
 
     colocated = r.mode == "colocate"
+    pooled = pgs.rank != 0 or getattr(engine.engine, "pool", None) is not None
+    if pgs.world_size > 1:
+        box = [pooled]
+        torch.distributed.broadcast_object_list(box, src=0, group=pgs.ctrl)
+        pooled = box[0]
 
-    def push(version: int) -> None:
+    def push(version: int) -> dict[str, float]:
+        # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
+        # fed again), the same list on every rank; AllServersDown on every rank when none answers.
+        targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
         # Colocated servers free their memory while the actor trains (fit); verl's order around the sync:
         # weights back first, the sync, then the KV cache (the cache is not needed to load weights).
         if colocated:
             engine.resume_memory(["weights"])
-        stats = sync.sync(version)
+        stats = sync.sync(version, targets)
         if colocated:
             engine.resume_memory(["kv_cache"])
         engine.update_weights(None, policy_version=version)  # every rank records the version the servers hold
         log.info("weight sync v%d: %d tensors, %d buckets, %.1f MiB sent, %.1f MiB gathered in %.2f s",
                  version, stats.tensors, stats.buckets, stats.bytes_sent / MIB, stats.bytes_gathered / MIB,
                  stats.seconds)
+        if not pooled:
+            return {}
+        counts = engine._on_rank0(lambda: _confirmed(engine.engine, targets, version))
+        return {f"rollout/{name}": float(v) for name, v in counts.items()}
 
     push.sync = sync  # for tests and the trainer's metrics
     return push
+
+
+def _confirmed(engine, targets, version: int) -> dict[str, int]:
+    """After a sync: which targets report the version (health.py), and the server counts of the step."""
+    engine.confirm_version(targets, version)
+    c = engine.pool.take_counts()
+    return {"servers_up": c["up"], "server_failures": c["failures"], "server_restarts": c["restarts"],
+            "servers_readmitted": c["readmitted"], "requests_reissued": c["reissued_requests"]}
 
 
 def _session_hook(engine):

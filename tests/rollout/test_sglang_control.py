@@ -7,7 +7,7 @@ import time
 import pytest
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
-from megatron_dapo.rollout.sglang.engine import EngineRequestError, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import AllServersDown, EngineRequestError, SGLangEngine
 from tests.standin import StandinServer
 
 SAVER = ["--enable-memory-saver", "--enable-deterministic-inference"]
@@ -67,14 +67,15 @@ def test_flush_cache_is_refused_while_a_request_runs(servers):
 
 def test_releasing_memory_while_generating_kills_the_server_as_sglang_does(tmp_path):
     """SGLang asserts the scheduler is idle in release_memory_occupation: the server dies."""
-    with StandinServer(toy=True, args=SAVER, log_dir=tmp_path) as s, SGLangEngine([s.url], max_retries=0) as eng:
+    with (StandinServer(toy=True, args=SAVER, log_dir=tmp_path) as s,
+          SGLangEngine([s.url], max_retries=0, server_down_timeout_s=1.0) as eng):
         s.knobs(token_delay_s=0.05)
         outcome = []
 
         def run():
             try:
                 eng.generate([PromptInput("p", (1,))], SamplingParams(max_new_tokens=40))
-            except EngineRequestError as e:
+            except AllServersDown as e:
                 outcome.append(e)
 
         t = threading.Thread(target=run)
@@ -86,7 +87,7 @@ def test_releasing_memory_while_generating_kills_the_server_as_sglang_does(tmp_p
         assert s.wait_exit() == 1
         assert "release_memory_occupation should be called only when server is idle" in s.log_tail()
         t.join(timeout=10)
-        assert len(outcome) == 1  # the generation in flight lost its server too
+        assert len(outcome) == 1  # the generation in flight lost its server too: no other server to go to
 
 
 def test_a_control_call_fails_loudly_naming_the_unreachable_server(servers, tmp_path):

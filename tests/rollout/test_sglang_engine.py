@@ -8,6 +8,7 @@ import pytest
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams, check_generate_output, derive_sample_seed
 from megatron_dapo.rollout.sglang.engine import (
+    AllServersDown,
     EngineReplyError,
     EngineRequestError,
     EngineTimeoutError,
@@ -145,12 +146,19 @@ def test_persistent_503s_fail_after_all_retries_naming_the_status(server):
 def test_a_server_that_dies_fails_over_to_a_live_one(server, tmp_path):
     doomed = StandinServer(toy=True, args=SEEDED, log_dir=tmp_path).start()
     try:
-        with _engine([doomed.url, server.url], max_retries=2) as both, _engine([doomed.url], max_retries=1) as alone:
+        with (_engine([doomed.url, server.url], max_retries=2) as both,
+              _engine([doomed.url], max_retries=1, server_down_timeout_s=0.5) as alone):
             doomed.kill()
             s = both.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=4))[0]
             assert s.response_token_ids == tuple(_expected(PROMPTS[0], 0, 4, 2)[0])
-            with pytest.raises(EngineRequestError, match="connection error"):
+            assert both.pool.state == {doomed.url: "down", server.url: "up"}
+            assert both.pool.take_counts() == {"failures": 1, "reissued_requests": 1, "restarts": 0, "readmitted": 0,
+                                               "up": 1}
+            t0 = time.monotonic()
+            with pytest.raises(AllServersDown, match=r"for 0\.5 s \(rollout.server_down_timeout_s\).*down: "
+                                                     r"/generate: ConnectionError"):
                 alone.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+            assert time.monotonic() - t0 < 5
     finally:
         doomed.stop()
 

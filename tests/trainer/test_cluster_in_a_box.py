@@ -204,9 +204,11 @@ def test_pp2_dp2_with_virtual_stages_trains_3_steps(dense, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_server_killed_mid_generation_fails_the_run_with_a_named_error_not_a_hang(tmp_path):
-    """Two DP ranks, two toy servers; the second dies after a few generated tokens. Rank 0's engine
-    gives up on it, both ranks raise the same named error, and torchrun ends the job: no hang."""
+def test_a_server_killed_mid_generation_leaves_the_rotation_and_the_run_finishes_on_the_other(tmp_path):
+    """Two DP ranks, two toy servers given by URL; the second dies after a few generated tokens. Rank 0's
+    engine takes it out of the rotation, re-issues its request on the first, the weight syncs (a gloo
+    group of the trainer and the servers) are re-formed without it, and both steps finish. (The real-server
+    version, with the trainer restarting the server: tests/sglang_real/test_server_death.py.)"""
     from megatron_dapo.data.tokenizer import CharTokenizer
 
     toy = ["--toy-vocab-size", str(CharTokenizer().vocab_size), "--enable-deterministic-inference"]
@@ -226,11 +228,9 @@ def test_a_server_killed_mid_generation_fails_the_run_with_a_named_error_not_a_h
                "configs/tiny_cpu.yaml", *cfg, f"trainer.output_dir={tmp_path}"]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         out = r.stdout + r.stderr
-        assert r.returncode != 0 and not servers[1].is_running(), out[-3000:]
-        assert servers[1].url in out, out[-3000:]
-        for rank in (0, 1):  # the same named error on both ranks, not a dropped connection on rank 1
-            assert re.search(rf"\[rank{rank}\]: \S*(DriverError|WeightSyncError): .*{re.escape(servers[1].url)}", out), \
-                out[-3000:]
+        assert r.returncode == 0 and not servers[1].is_running(), out[-3000:]
+        assert f"SGLang server {servers[1].url}: down" in out and "request re-sent to" in out, out[-3000:]
+        assert servers[0].stats()["weight_version"] == "2", out[-3000:]
     finally:
         for s in servers:
             s.stop()

@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -64,6 +64,7 @@ from megatron_dapo.rollout.base import (
     check_generate_inputs,
 )
 from megatron_dapo.rollout.sglang import weights as sw
+from megatron_dapo.rollout.sglang.health import AllServersDown, Probe, ServerPool  # noqa: F401  (AllServersDown: API)
 from megatron_dapo.rollout.sglang.payloads import (  # noqa: F401  (re-exported: the engine's API)
     EngineReplyError,
     EngineRequestError,
@@ -80,6 +81,8 @@ from megatron_dapo.rollout.sglang.versions import SELECTORS, UnsupportedSGLangVe
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("in_place", "retract", "abort")
+HEALTH_TIMEOUT_S = 30.0
+"""Read timeout of one /health probe (SGLang answers 503 itself after 20 s without scheduler output)."""
 ABORT_REPEAT_S = 0.5
 """How often a streaming stop re-sends /abort_request for a request still running."""
 ABORT_THREADS = 16
@@ -113,12 +116,18 @@ class SGLangEngine(RolloutEngine):
         require_deterministic: bool = False,
         open_weight_sessions: bool = True,
         require_memory_saver: bool = False,
+        health_check_interval_s: float = 5.0,
+        server_down_timeout_s: float = 600.0,
+        restart: Callable[[str], None] | None = None,
     ):
         """require_deterministic: refuse servers that ignore sampling seeds (launched without
         --enable-deterministic-inference). require_memory_saver: refuse servers launched without
         --enable-memory-saver (colocated on the trainer's GPUs). open_weight_sessions: update_weights_*
         open a weight-update session themselves when the release needs one and none is open; False
-        when another engine (one coordinator for several senders) opens it around the whole sync."""
+        when another engine (one coordinator for several senders) opens it around the whole sync.
+        health_check_interval_s / server_down_timeout_s / restart: the ServerPool's poll interval, how long
+        generation waits with no server up before AllServersDown, and how a server the trainer launched is
+        restarted (sglang/health.py; None: servers given by URL are only polled)."""
         if isinstance(urls, str) or not urls:
             raise ValueError(f"urls must be a non-empty list of server URLs, got {urls!r}")
         for name, v, lo in (
@@ -170,11 +179,15 @@ class SGLangEngine(RolloutEngine):
         self._weight_session: str | None = None  # the open session's selector
         self._open_weight_sessions = bool(open_weight_sessions)
         self._closed = False
+        self.pool: ServerPool | None = None
         try:
             self._connect(require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
         except BaseException:
             self.close()
             raise
+        self.pool = ServerPool(self.urls, self._slot_free, probe=self.probe, expected_version=lambda: self._policy_version,
+                               interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart)
+        self.pool.start()
 
     def _connect(self, *, require_deterministic: bool, require_memory_saver: bool) -> None:
         """Read every server's release and launch settings (versions.server_facts)."""
@@ -400,17 +413,23 @@ class SGLangEngine(RolloutEngine):
         on a server (a streaming call aborts those by rid)."""
         rids = list(payload["rid"])
         last_error, last_url, timed_out = "", None, False
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
-                if aborted.wait(delay) or failed.is_set():
-                    return None, None, rids
-                rids = request_ids(batch_id, attempt, len(rids))
+        attempt, tries, lost = 0, 0, None  # lost: the server that held this request when it was lost
+        while attempt <= self.max_retries:
+            if tries:
+                if lost is None:
+                    delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+                    if aborted.wait(delay) or failed.is_set():
+                        return None, None, rids
+                rids = request_ids(batch_id, tries, len(rids))
                 payload = {**payload, "rid": rids}
+            tries += 1
             if aborted.is_set() or failed.is_set():
                 return None, None, rids
             url = self._acquire_url(len(rids))
             last_url = url
+            if lost is not None:
+                self.pool.note_reissue(lost, url, len(rids))
+                lost = None
             if running is not None:
                 running[batch_id] = (url, rids)
             # Aborted while waiting for a server (or, streaming, before the registration a stop reads).
@@ -426,9 +445,18 @@ class SGLangEngine(RolloutEngine):
             except requests.Timeout as e:
                 last_error, timed_out = f"timed out after {self.request_timeout_s:g} s ({e})", True
                 self._abort_rids(url, rids)
+                attempt += 1
                 continue
-            except requests.ConnectionError as e:
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+                # The server is gone (refused, or the connection dropped mid-request): it leaves the rotation
+                # and the request goes at once to another server, without using up a retry (a server that
+                # keeps coming back and failing does, after one re-issue per server).
                 last_error, timed_out = f"connection error: {e}", False
+                if self.pool is not None and tries <= len(self.urls):
+                    self.pool.mark_down(url, f"/generate: {type(e).__name__}: {e}")
+                    lost = url
+                else:
+                    attempt += 1
                 continue
             finally:
                 self._release_url(url, len(rids))
@@ -436,6 +464,7 @@ class SGLangEngine(RolloutEngine):
                     running.pop(batch_id, None)
             if r.status_code >= 500:
                 last_error, timed_out = f"HTTP {r.status_code}: {r.text[:300]}", False
+                attempt += 1
                 continue
             if r.status_code != 200:
                 if aborted.is_set():
@@ -464,15 +493,18 @@ class SGLangEngine(RolloutEngine):
                 return
 
     def _admits(self, url: str, items: int) -> bool:
-        """Whether `url` takes a request of `items` sequences now: fewer than max_concurrency requests, and
-        the sequences within what it decodes at once (its capacity; a request larger than that alone)."""
+        """Whether `url` takes a request of `items` sequences now: it is up (health.py), has fewer than
+        max_concurrency requests, and the sequences fit what it decodes at once (its capacity; a request
+        larger than that alone)."""
         cap, busy = self.capacity.get(url), self._inflight_items[url]
-        return self._inflight[url] < self.max_concurrency and (cap is None or busy == 0 or busy + items <= cap)
+        return (self.pool is None or self.pool.is_up(url)) and self._inflight[url] < self.max_concurrency and (
+            cap is None or busy == 0 or busy + items <= cap)
 
     def _acquire_url(self, items: int = 1) -> str:
         """The least loaded server (in sequences) that admits the request now; waits for one. A request
         is sent only when its server decodes it at once, so its time (request_timeout_s) is spent
-        generating, not queued behind the rest of the batch."""
+        generating, not queued behind the rest of the batch. With no server up for
+        server_down_timeout_s, AllServersDown."""
         with self._slot_free:
             while True:
                 n = len(self.urls)
@@ -484,7 +516,11 @@ class SGLangEngine(RolloutEngine):
                     self._inflight_items[url] += items
                     self._next_url = (self.urls.index(url) + 1) % n
                     return url
-                self._slot_free.wait()
+                if self.pool is not None and not self.pool.up():
+                    self.pool.check_any_up()
+                    self._slot_free.wait(min(self.pool.interval_s, self.pool.remaining_s()) + 0.01)
+                else:
+                    self._slot_free.wait()
 
     def _release_url(self, url: str, items: int = 1) -> None:
         with self._slot_free:
@@ -560,6 +596,8 @@ class SGLangEngine(RolloutEngine):
                     entry["model_info"] = info.json() if info.status_code == 200 else None
             except (requests.RequestException, ValueError) as e:
                 entry["error"] = f"{type(e).__name__}: {e}"
+            if self.pool is not None:
+                entry["state"] = self.pool.state[url]
             servers.append(entry)
         return {
             "healthy": all(s["healthy"] for s in servers),
@@ -567,21 +605,63 @@ class SGLangEngine(RolloutEngine):
             "servers": servers,
         }
 
+    def probe(self, url: str, *, deep: bool = True) -> Probe:
+        """One health check (health.py): /health when `deep` (SGLang runs a one-token generation when idle,
+        so a hung scheduler fails it), then the weight version from /model_info."""
+        try:
+            if deep:
+                r = requests.get(url + "/health", timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
+                if r.status_code != 200:
+                    return Probe(False, error=f"/health: HTTP {r.status_code}")
+            r = requests.get(url + self.features.model_info_path, timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
+        except requests.ConnectionError as e:
+            return Probe(False, error=f"{type(e).__name__}: {e}", refused=not isinstance(e, requests.Timeout))
+        except requests.RequestException as e:
+            return Probe(False, error=f"{type(e).__name__}: {e}")
+        if r.status_code != 200:
+            return Probe(False, error=f"{self.features.model_info_path}: HTTP {r.status_code}")
+        try:
+            version = r.json().get("weight_version")
+        except (ValueError, AttributeError):
+            version = None
+        return Probe(True, weight_version=None if version is None else str(version))
+
+    def refresh(self) -> list[str]:
+        """Before a weight sync: a quick check (/model_info) of every server not known to be down, marking
+        those that refuse the connection down; returns the servers the sync feeds (up and stale ones).
+        With none, waits for one to answer up to server_down_timeout_s, then AllServersDown."""
+        for url in self.pool.sync_targets():
+            p = self.probe(url, deep=False)
+            if p.refused:
+                self.pool.mark_down(url, p.error)
+        return self.pool.wait_for_targets()
+
+    def confirm_version(self, urls: Sequence[str], version: int) -> None:
+        """After a weight sync to `urls`: each is up if it reports `version`, else down (health.py)."""
+        for url in urls:
+            self.pool.confirm(url, version)
+
     def _post_all(self, path: str, payload: Any, *, timeout_s: float | None = None, check: bool = True):
-        """POST the same payload to every server (see `_post_bodies`)."""
-        return self._post_bodies(path, [payload] * len(self.urls), timeout_s=timeout_s, check=check)
+        """POST the same payload to every server not known to be down (see `_post_bodies`)."""
+        urls = self.urls if self.pool is None else self.pool.sync_targets()
+        return self._post_bodies(path, [payload] * len(urls), timeout_s=timeout_s, check=check, urls=urls)
 
     def _post_bodies(
-        self, path: str, bodies: list, *, timeout_s: float | None = None, check: bool = True
+        self, path: str, bodies: list, *, timeout_s: float | None = None, check: bool = True,
+        urls: Sequence[str] | None = None,
     ) -> list[tuple[str, str | None]]:
-        """POST bodies[i] to server i concurrently; with `check`, raise one error listing every failure."""
+        """POST bodies[i] to urls[i] (default: every server) concurrently; with `check`, raise one error
+        listing every failure."""
         timeout = timeout_s or self.control_timeout_s
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            errors = list(pool.map(lambda u, b: self._post_control(u, path, b, timeout), self.urls, bodies))
-        failures = [f"{url}{path}: {err}" for url, err in zip(self.urls, errors) if err is not None]
+        urls = list(self.urls if urls is None else urls)
+        if not urls:
+            return []
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            errors = list(pool.map(lambda u, b: self._post_control(u, path, b, timeout), urls, bodies))
+        failures = [f"{url}{path}: {err}" for url, err in zip(urls, errors) if err is not None]
         if check and failures:
             raise EngineRequestError("; ".join(failures))
-        return list(zip(self.urls, errors))
+        return list(zip(urls, errors))
 
     def _post_control(self, url: str, path: str, payload: Any, timeout_s: float) -> str | None:
         """One control request; None on success, else the error text (payloads.post_control)."""
@@ -757,6 +837,8 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        if self.pool is not None:
+            self.pool.stop()
         self._abort_event.set()  # wakes batches waiting in a backoff
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._abort_pool.shutdown(wait=True, cancel_futures=True)

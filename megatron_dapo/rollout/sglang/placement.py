@@ -37,6 +37,9 @@ def _server_actor_class():
         def stop(self) -> int:
             return self.server.stop()
 
+        def restart(self) -> float:
+            return self.server.restart()
+
     return SGLangServerActor
 
 
@@ -47,6 +50,12 @@ class PlacedServers:
     urls: list[str]
     actors: list
     placement_group: object
+
+    def restart_url(self, url: str) -> float:
+        """Restart the server at `url` in its own bundle (the same GPUs); seconds until it answered."""
+        import ray
+
+        return ray.get(self.actors[self.urls.index(url)].restart.remote())
 
     def stop(self) -> None:
         import ray

@@ -184,6 +184,8 @@ class ServerProcess:
     url: str
     log_path: Path
     command: list[str]
+    env: dict[str, str] | None = None
+    """Extra environment of the process (launch_server's `env`), kept for `restart`."""
 
     def is_running(self) -> bool:
         return self.process.poll() is None
@@ -220,6 +222,13 @@ class ServerProcess:
             child.kill()
         return self.process.returncode
 
+    def restart(self, timeout_s: float = 1800.0) -> float:
+        """Stop what is left of the server (its process tree) and start it again with the same command,
+        environment and log file (appended); return the seconds until it answered /health."""
+        self.stop()
+        self.process = launch_server(self.command, url=self.url, log_path=self.log_path, env=self.env).process
+        return wait_for_health(self.url, timeout_s=timeout_s, server=self)
+
 
 def launch_server(
     command: Sequence[str], *, url: str, log_path: str | os.PathLike, env: dict[str, str] | None = None
@@ -240,7 +249,7 @@ def launch_server(
             cwd=log_path.parent,
             env=None if env is None else {**os.environ, **env},
         )
-    return ServerProcess(process=process, url=url, log_path=log_path, command=list(command))
+    return ServerProcess(process=process, url=url, log_path=log_path, command=list(command), env=env)
 
 
 _PATH_FLAGS = ("--model-path", "--tokenizer-path", "--speculative-draft-model-path")

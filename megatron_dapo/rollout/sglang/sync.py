@@ -207,6 +207,10 @@ class SGLangWeightSync:
         self.backend = "nccl" if pgs.device.type == "cuda" else "gloo"
         self._group = None  # distributed: this sender's weight-update group
         self._store = None
+        self._token = ""  # distributed: this trainer start's part of the group names
+        self._regroups = 0
+        self.active = tuple(range(len(servers.urls)))
+        """Indices of the servers the syncs feed now (every server at set-up; see `sync(targets=...)`)."""
         self._fanout = None  # ipc: senders + node leaders
         self._fanout_ranks: list[int] = []
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
@@ -220,17 +224,8 @@ class SGLangWeightSync:
             token = [os.urandom(4).hex()]
             if pgs.world_size > 1:
                 dist.broadcast_object_list(token, src=0, group=pgs.ctrl)
-            for stage in range(pgs.pp_size):  # in turn: a server joins one group at a time
-                if pgs.pp_rank == stage and self.sender:
-                    name = f"{self.group_prefix}_{token[0]}_pp{stage}"
-
-                    def open_group(name=name):
-                        self._group, self._store = _open_group(self.servers, host=self.host, group_name=name,
-                                                               backend=self.backend, timeout_s=self.timeout_s)
-                        self._group_name = name
-
-                    self._guard(open_group, f"open the weight-update group of stage {stage}")
-                self._agree()
+            self._token = token[0]
+            self._open_groups()
             return
         # ipc: every rank learns who the senders and node leaders are, then all create the fan-out group.
         roles = [None] * pgs.world_size
@@ -247,17 +242,67 @@ class SGLangWeightSync:
             # (the default file descriptors open only in the sender's own children).
             torch.multiprocessing.set_sharing_strategy("file_system")
 
+    def _active_set(self) -> ServerSet:
+        s, idx = self.servers, self.active
+        return ServerSet(urls=tuple(s.urls[i] for i in idx), tp_sizes=tuple(s.tp_sizes[i] for i in idx),
+                         nodes=tuple(s.nodes[i] for i in idx) if s.nodes else ())
+
+    def _open_groups(self) -> None:
+        """distributed: each stage's sender opens its weight-update group with the active servers, stages
+        in turn (a server joins one group at a time); a collective of all ranks."""
+        pgs, servers = self.pgs, self._active_set()
+        suffix = f"_r{self._regroups}" if self._regroups else ""
+        for stage in range(pgs.pp_size):
+            if pgs.pp_rank == stage and self.sender:
+                name = f"{self.group_prefix}_{self._token}_pp{stage}{suffix}"
+
+                def open_group(name=name):
+                    self._group, self._store = _open_group(servers, host=self.host, group_name=name,
+                                                           backend=self.backend, timeout_s=self.timeout_s)
+                    self._group_name = name
+
+                self._guard(open_group, f"open the weight-update group of stage {stage}")
+            self._agree()
+
+    def _regroup(self, active: tuple[int, ...]) -> None:
+        """distributed: the servers changed (one left, or came back restarted): every sender leaves its
+        group (the servers that stay in it are told to destroy it; a lost one is not contacted) and opens
+        a new one, under a new name, with the servers now active."""
+        staying = [self.servers.urls[i] for i in self.active if i in active]
+        if self._group is not None:
+            if staying:
+                try:
+                    post_all(staying, "/destroy_weights_update_group", [{"group_name": self._group_name}] * len(staying),
+                             timeout_s=30.0)
+                except WeightSyncError as e:
+                    log.warning("leaving weight-update group %s: %s", self._group_name, e)
+            self._shutdown_group()
+        self.active, self._regroups = active, self._regroups + 1
+        self._open_groups()
+
     # ------------------------------------------------------------------------------------ one sync
-    def sync(self, version: int) -> SyncStats:
-        """Every tensor of every stage to every server, then the version; a collective of all ranks.
+    def sync(self, version: int, targets: Sequence[str] | None = None) -> SyncStats:
+        """Every tensor of every stage to every server (or to `targets`, the URLs of the servers to feed,
+        the same list on every rank), then the version; a collective of all ranks. With the distributed
+        transport a change of targets re-forms the weight-update groups first (`_regroup`).
 
         A failure on one rank (a server refusing a bucket, a dead server) never leaves the others
         waiting: that rank keeps taking part in its stage's gathers and fan-out without sending, and at
         the end of the stage every rank raises the same WeightSyncError naming the rank and the server."""
         t0 = time.perf_counter()
         stats, pgs = SyncStats(), self.pgs
+        self._error = None
+        if targets is not None:
+            unknown = sorted(set(targets) - set(self.servers.urls))
+            if unknown or not targets:
+                raise WeightSyncError(f"sync targets {list(targets)} are not a non-empty subset of {self.servers.urls}")
+            active = tuple(i for i, u in enumerate(self.servers.urls) if u in set(targets))
+            if active != self.active:
+                if self.transport == "distributed":
+                    self._regroup(active)
+                else:
+                    self.active = active
         traffic: dict[str, int] = {}
-        self._error: str | None = None
         if pgs.rank == 0 and self.session is not None:
             self._guard(lambda: self.session("begin"), "begin the weight-update session")
         self._agree()
@@ -327,9 +372,9 @@ class SGLangWeightSync:
                                              weight_version=None if version is None else str(version))
         if self.selector is not None:
             body["selector"] = self.selector
+        urls = self._active_set().urls
         try:
-            post_all(self.servers.urls, "/update_weights_from_distributed", [body] * len(self.servers.urls),
-                     timeout_s=self.timeout_s)
+            post_all(urls, "/update_weights_from_distributed", [body] * len(urls), timeout_s=self.timeout_s)
         except WeightSyncError as e:
             raise WeightSyncError(f"pipeline stage {self.pgs.pp_rank}: {e}") from e
 
@@ -343,7 +388,7 @@ class SGLangWeightSync:
                 self._group.broadcast([t], dist.BroadcastOptions()).wait()
             posting.result()
         stats.buckets += 1
-        stats.bytes_sent += sum(self.servers.tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
+        stats.bytes_sent += sum(self._active_set().tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
 
     def _fan_out(self, buckets, *, stage: int, version: int, last_stage: bool, stats: SyncStats) -> None:
         """ipc: stage `stage`'s sender broadcasts each bucket to the fan-out group (senders + node leaders);
@@ -353,7 +398,7 @@ class SGLangWeightSync:
         member = self._fanout is not None
         src = self._fanout_ranks.index(self._stage_first(stage)) if member else None
         is_src = pgs.rank == self._stage_first(stage)
-        mine = [i for i in range(len(self.servers.urls)) if self.servers.node_of(i) == self.node]
+        mine = [i for i in self.active if self.servers.node_of(i) == self.node]
         post_here = self.node_leader and bool(mine)
 
         def deliver(spec, tensors, *, final: bool) -> None:
@@ -415,15 +460,19 @@ class SGLangWeightSync:
     def close(self) -> None:
         """Leave the weight-update group (servers first, then this side); idempotent."""
         if self._group is not None:
+            urls = self._active_set().urls
             try:
-                post_all(self.servers.urls, "/destroy_weights_update_group",
-                         [{"group_name": self._group_name}] * len(self.servers.urls), timeout_s=30.0)
+                post_all(urls, "/destroy_weights_update_group", [{"group_name": self._group_name}] * len(urls),
+                         timeout_s=30.0)
             except WeightSyncError as e:
                 log.warning("closing the weight-update group: %s", e)
-            # The group was built outside torch's world registry (as the servers build theirs), so
-            # destroy_process_group does not know it: shut the backend down directly.
-            try:
-                self._group.shutdown()
-            except (AttributeError, RuntimeError) as e:
-                log.debug("shutting down %s: %s", self._group_name, e)
-            self._group = self._store = None
+            self._shutdown_group()
+
+    def _shutdown_group(self) -> None:
+        # The group was built outside torch's world registry (as the servers build theirs), so
+        # destroy_process_group does not know it: shut the backend down directly.
+        try:
+            self._group.shutdown()
+        except (AttributeError, RuntimeError) as e:
+            log.debug("shutting down %s: %s", self._group_name, e)
+        self._group = self._store = None
