@@ -313,3 +313,19 @@ def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tm
             f"rollout.deterministic_inference={det}", f"trainer.output_dir={tmp_path}"])
         run_mod._sglang_engine(cfg, types.SimpleNamespace(rank=0, world_size=1, ctrl=None))
         assert made[-1]["require_deterministic"] is det
+
+
+def test_a_server_launched_by_a_torchrun_rank_does_not_inherit_its_rendezvous(monkeypatch):
+    """SGLang's scheduler joins the launching rank's torchrun store and hangs when it sees RANK, WORLD_SIZE,
+    MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE: the server's environment drops them, keeps the rest."""
+    from megatron_dapo.rollout.sglang.server import server_environment
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                 "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x",
+                 "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    env = server_environment({"SGLANG_USE_CPU_ENGINE": "1", "MASTER_PORT": "1234"})
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "GROUP_RANK"} & set(env)
+    assert not [k for k in env if k.startswith("TORCHELASTIC_")]
+    assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["MASTER_PORT"] == "1234"  # what the configuration sets explicitly still applies

@@ -42,6 +42,9 @@ def _torchrun(tmp_path: pathlib.Path, mode: str, *overrides: str, timeout_s: int
 
 
 def _overrides(tiny_qwen2, tmp_path, *more):
+    """rollout.min_new_tokens keeps every request generating long enough to be killed mid-way (it also
+    masks EOS in SGLang's log-probs, so the actor-vs-server log-prob metric is not checked here: the probe
+    comparison after every sync is)."""
     return [*train_overrides(*tiny_qwen2, "rollout.mode=disaggregate", "trainer.n_gpus_per_node=2",
                              "data.train_batch_size=8", "rollout.min_new_tokens=30", "actor.entropy_coeff=0.01",
                              f"trainer.total_training_steps={STEPS}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
@@ -92,7 +95,6 @@ def test_a_killed_server_s_requests_go_to_the_survivor_and_it_comes_back_restart
     assert scalars["rollout/requests_reissued"][2] >= 1
     assert scalars["rollout/servers_up"] == {1: 2, 2: 1, 3: 2, 4: 2}
     assert scalars["rollout/servers_readmitted"] == {1: 0, 2: 0, 3: 1, 4: 0}
-    assert max(scalars["rollout_corr/log_prob_abs_diff"].values()) < 1e-5
     assert _processes_in(tmp_path / "tiny_cpu/sglang") == []
 
 

@@ -33,8 +33,11 @@ than the server decodes at once (its running capacity from /server_info: version
 Work beyond that waits here, not in SGLang's queue, so `request_timeout_s` bounds a request's own
 generation time however long the batch (blocking `requests` calls on a thread pool of
 max_concurrency x servers threads).
-Connection errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff
-(possibly on another server); HTTP 4xx is not retried. Before a timed-out request is retried its
+A request whose server refuses or drops the connection takes that server out of the rotation
+(`self.pool`, sglang/health.py: polled, restarted when the trainer launched it, back with the current
+weights) and is re-sent at once to another server without using a retry; with no server up for
+`server_down_timeout_s`, AllServersDown. Timeouts and HTTP 5xx are retried `max_retries` times with
+exponential backoff (possibly on another server); HTTP 4xx is not retried. Before a timed-out request is retried its
 rids are aborted on the server that timed out (it would otherwise keep generating them), and the
 retry carries fresh rids (SGLang refuses a rid that is still in flight).
 """
@@ -627,13 +630,20 @@ class SGLangEngine(RolloutEngine):
         return Probe(True, weight_version=None if version is None else str(version))
 
     def refresh(self) -> list[str]:
-        """Before a weight sync: a quick check (/model_info) of every server not known to be down, marking
-        those that refuse the connection down; returns the servers the sync feeds (up and stale ones).
-        With none, waits for one to answer up to server_down_timeout_s, then AllServersDown."""
-        for url in self.pool.sync_targets():
-            p = self.probe(url, deep=False)
-            if p.refused:
+        """Before a weight sync, every server checked at once: one taking requests by /model_info (a refused
+        connection takes it down), one that is down by /health (answering, it joins this sync: stale, or up
+        with the current weights). Returns the servers the sync feeds (up and stale ones); with none, waits
+        for one to answer up to server_down_timeout_s, then AllServersDown."""
+        def check(url: str) -> None:
+            down = self.pool.state[url] == "down"
+            p = self.probe(url, deep=down)
+            if down and p.answers:
+                self.pool.observe(url, p)
+            elif not down and p.refused:
                 self.pool.mark_down(url, p.error)
+
+        with ThreadPoolExecutor(max_workers=min(len(self.urls), 32)) as pool:
+            list(pool.map(check, self.urls))
         return self.pool.wait_for_targets()
 
     def confirm_version(self, urls: Sequence[str], version: int) -> None:

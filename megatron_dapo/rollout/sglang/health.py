@@ -220,9 +220,11 @@ class ServerPool:
         """Probe every server once and apply what it shows (the poller's round; tests call it directly)."""
         results = list(pool.map(self.probe, self.urls)) if pool is not None else [self.probe(u) for u in self.urls]
         for url, p in zip(self.urls, results, strict=True):
-            self._apply(url, p)
+            self.observe(url, p)
 
-    def _apply(self, url: str, p: Probe) -> None:
+    def observe(self, url: str, p: Probe) -> None:
+        """Apply one probe of `url`: an up server's failures count (a refusal at once), a returning one is
+        readmitted with the current weights, else stale until a sync."""
         state = self.state[url]
         if state == UP:
             if p.answers:

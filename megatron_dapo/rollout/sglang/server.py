@@ -247,9 +247,23 @@ def launch_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=log_path.parent,
-            env=None if env is None else {**os.environ, **env},
+            env=server_environment(env),
         )
     return ServerProcess(process=process, url=url, log_path=log_path, command=list(command), env=env)
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's per-process variables, removed from a server's environment with every TORCHELASTIC_* one."""
+
+
+def server_environment(extra: dict[str, str] | None) -> dict[str, str]:
+    """The environment a server starts with: this process's, without torchrun's rendezvous variables, plus
+    `extra`. SGLang's scheduler initialises torch.distributed for its own TP group: with a launching rank's
+    RANK / WORLD_SIZE / MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE it waits forever on the trainer's
+    rendezvous store instead of creating its own (measured: 0.5.23 hangs in init_process_group)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {**env, **(extra or {})}
 
 
 _PATH_FLAGS = ("--model-path", "--tokenizer-path", "--speculative-draft-model-path")
