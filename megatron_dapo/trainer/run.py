@@ -69,13 +69,36 @@ def _connect(cfg: Config, urls: list[str], servers=()):
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
     r = cfg.rollout
-    return SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
+    engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
                         max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
                         require_deterministic=r.deterministic_inference,
                         require_memory_saver=r.mode == "colocate" and r.require_memory_saver,
                         health_check_interval_s=r.health_check_interval_s,
                         server_down_timeout_s=r.server_down_timeout_s,
                         restart=_restarter(servers) if servers and r.restart_servers else None)
+    try:
+        check_served_model(cfg, engine.model_identity)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def check_served_model(cfg: Config, served: tuple | None) -> None:
+    """The servers serve the actor's model: the model_type and architectures they report in /model_info
+    equal those of model.hf_path's config.json (when it is a local checkpoint and they report them)."""
+    import json
+
+    path = os.path.join(cfg.model.hf_path, "config.json") if cfg.model.hf_path else ""
+    if served is None or served[0] is None or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        hf = json.load(f)
+    want = (hf.get("model_type"), tuple(hf.get("architectures") or ()))
+    if served[0] != want[0] or (served[1] and want[1] and tuple(served[1]) != want[1]):
+        raise ConfigError("model.hf_path", f"the SGLang servers serve model_type {served[0]!r}, architectures "
+                                           f"{list(served[1])}, but {path} is model_type {want[0]!r}, architectures "
+                                           f"{list(want[1])}: the actor and the servers must run one model")
 
 
 def _restarter(servers):

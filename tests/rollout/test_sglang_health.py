@@ -144,3 +144,18 @@ def test_the_poller_takes_a_dead_server_out_and_back_in():
         assert pool.state[B] == "up" and pool.state[A] == "up"
     finally:
         pool.stop()
+
+
+def test_a_server_back_with_another_model_stays_down():
+    script = Script()
+    pool = ServerPool([A, B], threading.Condition(), probe=script, expected_version=lambda: 0, interval_s=0.05,
+                      model=("qwen2", ("Qwen2ForCausalLM",)))
+    pool.mark_down(B, "gone")
+    script.replies[B] = Probe(True, "0", model=("llama", ("LlamaForCausalLM",)))
+    pool.poll_once()
+    pool.poll_once()
+    assert pool.state[B] == "down" and pool.last_error[B].startswith("serves model ('llama'")
+    assert [e.kind for e in pool.events] == ["down", "refused"]  # said once
+    script.replies[B] = Probe(True, "0", model=("qwen2", ("Qwen2ForCausalLM",)))
+    pool.poll_once()
+    assert pool.state[B] == "up"

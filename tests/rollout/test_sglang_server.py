@@ -302,6 +302,7 @@ def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tm
 
     class Recorder:
         policy_version = 0
+        model_identity = None
 
         def __init__(self, urls, **kw):
             made.append(kw)

@@ -214,9 +214,10 @@ def test_a_begin_refused_on_one_server_closes_the_others(tmp_path):
 @pytest.mark.parametrize("version", ["0.5.8", "0.5.23"])
 def test_model_and_server_info_use_the_current_routes(tmp_path, version):
     """Item 5: /get_model_info and /get_server_info are deprecated from 0.5.8 (a warning per call)."""
-    with StandinServer(toy=True, emulate_version=version, log_dir=tmp_path) as s, SGLangEngine([s.url]) as eng:
+    with (StandinServer(toy=True, emulate_version=version, log_dir=tmp_path) as s,
+          SGLangEngine([s.url], health_check_interval_s=600) as eng):
         assert eng.health()["servers"][0]["model_info"]["weight_version"] == "default"
-        assert s.paths() == ["/server_info", "/health", "/model_info"]
+        assert s.paths() == ["/server_info", "/model_info", "/health", "/model_info"]  # connect, then health()
 
 
 def test_running_capacity_is_what_the_schedulers_decode_at_once():

@@ -189,7 +189,8 @@ class SGLangEngine(RolloutEngine):
             self.close()
             raise
         self.pool = ServerPool(self.urls, self._slot_free, probe=self.probe, expected_version=lambda: self._policy_version,
-                               interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart)
+                               interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart,
+                               model=self.model_identity)
         self.pool.start()
 
     def _connect(self, *, require_deterministic: bool, require_memory_saver: bool) -> None:
@@ -199,6 +200,16 @@ class SGLangEngine(RolloutEngine):
         self.sglang_version, self.features = facts.version, facts.features
         self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
         self.capacity = dict(zip(self.urls, facts.capacities, strict=True))
+        models = {url: self.probe(url, deep=False) for url in self.urls}
+        failed = [f"{u}: {p.error}" for u, p in models.items() if not p.answers]
+        if failed:
+            raise EngineRequestError("; ".join(failed))
+        if len({p.model for p in models.values()}) > 1:
+            listed = "; ".join(f"{u}: model_type {p.model[0]!r}, architectures {list(p.model[1])}"
+                               for u, p in models.items())
+            raise RolloutEngineError(f"the SGLang servers serve different models ({listed}); use one model")
+        self.model_identity = models[self.urls[0]].model
+        """(model_type, architectures) every server reports in /model_info (None where a release omits them)."""
         self._spec = spec_fields(self.features)
         self._warned_unseeded = False
         if self._context_length is None:
@@ -624,10 +635,12 @@ class SGLangEngine(RolloutEngine):
         if r.status_code != 200:
             return Probe(False, error=f"{self.features.model_info_path}: HTTP {r.status_code}")
         try:
-            version = r.json().get("weight_version")
-        except (ValueError, AttributeError):
-            version = None
-        return Probe(True, weight_version=None if version is None else str(version))
+            info = r.json()
+            version = info.get("weight_version")
+            model = (info.get("model_type"), tuple(info.get("architectures") or ()))
+        except (ValueError, AttributeError, TypeError):
+            version, model = None, (None, ())
+        return Probe(True, weight_version=None if version is None else str(version), model=model)
 
     def refresh(self) -> list[str]:
         """Before a weight sync, every server checked at once: one taking requests by /model_info (a refused

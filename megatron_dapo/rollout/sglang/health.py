@@ -52,6 +52,8 @@ class Probe:
     error: str = ""
     refused: bool = False
     """The connection was refused or reset: the process is gone, no need to wait for more failures."""
+    model: tuple | None = None
+    """(model_type, architectures) from /model_info; None: not read."""
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,15 @@ class ServerPool:
 
     def __init__(self, urls: Sequence[str], cond: threading.Condition, *, probe: Callable[..., Probe],
                  expected_version: Callable[[], int], interval_s: float = 5.0, down_timeout_s: float = 600.0,
-                 fail_after: int = 3, restart: Callable[[str], None] | None = None):
+                 fail_after: int = 3, restart: Callable[[str], None] | None = None, model: tuple | None = None):
+        """model: the (model_type, architectures) the servers reported at connect; a server that comes back
+        serving another model stays down."""
         if not interval_s > 0 or not down_timeout_s > 0 or fail_after < 1:
             raise ValueError(f"ServerPool: interval_s and down_timeout_s must be > 0 and fail_after >= 1, got "
                              f"{interval_s!r}, {down_timeout_s!r}, {fail_after!r}")
         self.urls = list(urls)
         self.cond = cond
-        self.probe, self.expected_version, self.restart = probe, expected_version, restart
+        self.probe, self.expected_version, self.restart, self.model = probe, expected_version, restart, model
         self.interval_s, self.down_timeout_s, self.fail_after = float(interval_s), float(down_timeout_s), fail_after
         self.state = dict.fromkeys(self.urls, UP)
         self.last_error = dict.fromkeys(self.urls, "")
@@ -237,6 +241,13 @@ class ServerPool:
         if not p.answers:
             with self.cond:
                 self.last_error[url] = p.error or self.last_error[url]
+            return
+        if self.model is not None and p.model is not None and p.model != self.model:
+            with self.cond:
+                error = f"serves model {p.model}, the others {self.model}"
+                if self.last_error[url] != error:
+                    self.last_error[url] = error
+                    self._event("refused", url, error)
             return
         version = self.expected_version()
         if p.weight_version == str(version):
