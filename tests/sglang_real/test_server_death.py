@@ -21,7 +21,13 @@ import time
 
 import pytest
 
-from tests.sglang_real.conftest import ROOT, assert_all_gone, cpu_server_overrides, free_port_pair, server_tree
+from tests.sglang_real.conftest import (
+    ROOT,
+    assert_all_gone,
+    cpu_server_overrides,
+    free_port_pair,
+    server_tree,
+)
 from tests.sglang_real.test_train import PROBE_DIFF_TOL, _processes_in, _scalars, train_overrides
 
 STEPS = 4
