@@ -50,6 +50,7 @@ class Config:
         _check_names(self)
         _check_rollout_correction(self)
         _check_bypass(self)
+        _check_queue(self)
         if self.actor.router_replay and (self.parallel.tensor_model_parallel_size > 1
                                          or self.parallel.pipeline_model_parallel_size > 1):
             raise ConfigError("actor.router_replay", "needs tensor and pipeline parallel size 1 (the recorded "
@@ -94,6 +95,25 @@ def _check_dynamic_sampling(cfg: Config) -> None:
     if cfg.data.effective_gen_batch_size < cfg.data.train_batch_size:
         raise ConfigError("data.gen_batch_size", f"expected >= data.train_batch_size ({cfg.data.train_batch_size}) "
                           f"when algorithm.filter_groups.enable, got {cfg.data.effective_gen_batch_size}")
+
+
+def _check_queue(cfg: Config) -> None:
+    """What the queue trainer does not run yet is refused here, before any model is built or server started."""
+    q = cfg.queue
+    if not q.enable:
+        return
+    if cfg.trainer.world_size != 1:
+        raise ConfigError("queue.enable", f"the queue trainer runs one training process, got trainer.nnodes x "
+                          f"trainer.n_gpus_per_node = {cfg.trainer.world_size}; use the sync trainer "
+                          "(queue.enable=false) for several")
+    if cfg.rollout.engine != "local":
+        raise ConfigError("queue.enable", f"the queue trainer generates with rollout.engine=local only, got "
+                          f"{cfg.rollout.engine!r}: its weight pushes do not reach SGLang servers yet, which would "
+                          "generate with a stale policy; use the sync trainer (queue.enable=false) with SGLang")
+    if cfg.trainer.total_training_steps % q.parameter_sync_step:
+        raise ConfigError("queue.parameter_sync_step", f"expected a divisor of trainer.total_training_steps "
+                          f"({cfg.trainer.total_training_steps}: checkpoints fall on weight syncs), got "
+                          f"{q.parameter_sync_step}")
 
 
 def _check_overlong(cfg: Config) -> None:

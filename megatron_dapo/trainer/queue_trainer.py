@@ -93,20 +93,11 @@ class QueueTrainer(DAPOTrainer):
     def __init__(self, cfg: Config, parts: TrainerParts):
         super().__init__(cfg, parts)
         qc, P = cfg.queue, cfg.queue.parameter_sync_step
-        if parts.pgs.world_size != 1:
-            raise NotImplementedError(
-                f"the queue trainer runs one training process (trainer.nnodes * trainer.n_gpus_per_node = "
-                f"{parts.pgs.world_size}); use the sync trainer (queue.enable=false) for several")
-        if cfg.trainer.total_training_steps % P:
-            raise ValueError(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be a multiple of "
-                             f"queue.parameter_sync_step={P} (checkpoints fall on weight syncs)")
+        # One process, the local engine, checkpoints on weight syncs: refused otherwise at load (config/root.py).
         self.sync_mode = qc.max_staleness == 0
         if qc.stale_policy == "correct" and self.rc["bypass_mode"] and not self.sync_mode:
             raise ValueError("queue.stale_policy=correct needs decoupled mode (the actor's recomputed old log-probs); "
                              "algorithm.rollout_correction.bypass_mode is on")
-        if not self.sync_mode and (parts.pgs.tp_size, parts.pgs.pp_size) != (1, 1):
-            raise ValueError("async producers load the whole model from one weights file: parallel.tensor_model_"
-                             "parallel_size and parallel.pipeline_model_parallel_size must be 1 with queue.max_staleness > 0")
         self.P, self.n, self.tbs = P, cfg.rollout.n, cfg.data.train_batch_size
         self.gbs = cfg.data.effective_gen_batch_size
         path = qc.path or os.path.join(cfg.run_dir, "queue.sqlite")

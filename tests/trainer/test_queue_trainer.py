@@ -390,12 +390,21 @@ def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_und
         trainer.close()
 
 
-def test_config_errors_name_the_keys(tmp_path):
-    from megatron_dapo.trainer.run import build_parts
+@pytest.mark.parametrize("extra,error", [
+    (["queue.parameter_sync_step=2", "trainer.total_training_steps=3"],
+     r"queue.parameter_sync_step: expected a divisor of trainer.total_training_steps \(3"),
+    (["trainer.n_gpus_per_node=2"], r"queue.enable: the queue trainer runs one training process, got .* = 2"),
+    (["rollout.engine=sglang", "model.hf_path=/nonexistent"],
+     r"queue.enable: the queue trainer generates with rollout.engine=local only, got 'sglang': its weight pushes do "
+     r"not reach SGLang servers"),
+], ids=["sync-step", "world", "sglang"])
+def test_what_the_queue_trainer_does_not_run_is_refused_at_load_naming_the_key(tmp_path, extra, error):
+    """Refused by the configuration, before any model is built or server started (with SGLang the servers
+    would otherwise generate at weight version 0 while the actor moves on)."""
+    from megatron_dapo.config import ConfigError
 
-    cfg = _cfg(tmp_path, "queue.enable=true", "queue.parameter_sync_step=2", "trainer.total_training_steps=3")
-    with pytest.raises(ValueError, match=r"total_training_steps=3 must be a multiple of queue.parameter_sync_step=2"):
-        QueueTrainer(cfg, build_parts(cfg))
+    with pytest.raises(ConfigError, match=error):
+        _cfg(tmp_path, "queue.enable=true", *extra)
 
 
 @pytest.mark.parametrize("policy,partial", [("drop", False), pytest.param("correct", False, marks=pytest.mark.slow),
