@@ -530,6 +530,10 @@ class TrainerConfig:
     """auto (latest checkpoint in default_local_dir), disable, or a checkpoint path. [recipe: trainer.resume_mode]"""
     default_local_dir: str = ""
     """Checkpoint directory; empty = <output_dir>/<experiment_name>/ckpt. [recipe: trainer.default_local_dir]"""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that stop the run at the next safe point (a step's end, or between generation batches) with a checkpoint of the step reached, on every rank; then the process exits with preemption_exit_code. Any of SIGTERM, SIGUSR1 (what the SLURM script asks for before the time limit), SIGINT (a second one stops at once); [] = the default actions (die at once)."""
+    preemption_exit_code: int = 75
+    """Exit code after a stop signal's checkpoint (75 = EX_TEMPFAIL); the SLURM script requeues the job on it and the requeued job resumes (resume_mode=auto)."""
     max_ckpt_to_keep: int = 2
     """Checkpoints kept (older ones deleted). [recipe: trainer.max_actor_ckpt_to_keep]"""
     rollout_data_dir: str = ""
@@ -566,6 +570,11 @@ class TrainerConfig:
         _check(self.total_epochs >= 1, "trainer.total_epochs", ">= 1", self.total_epochs)
         _check(self.save_freq == -1 or self.save_freq >= 1, "trainer.save_freq", "-1 or >= 1", self.save_freq)
         _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", ">= 1", self.max_ckpt_to_keep)
+        _check(set(self.exit_signals) <= {"SIGTERM", "SIGUSR1", "SIGINT"}, "trainer.exit_signals",
+               "a list of SIGTERM, SIGUSR1, SIGINT", self.exit_signals)
+        _check(3 <= self.preemption_exit_code <= 125, "trainer.preemption_exit_code",
+               "in 3..125 (0, 1 and 2 mean success, failure and a config error; above 125, the shell's)",
+               self.preemption_exit_code)
         _check(self.critic_warmup >= 0, "trainer.critic_warmup", ">= 0", self.critic_warmup)
         _check(self.nnodes >= 1, "trainer.nnodes", ">= 1", self.nnodes)
         _check(self.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", ">= 1", self.n_gpus_per_node)

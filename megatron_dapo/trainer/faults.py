@@ -3,7 +3,10 @@
     MEGATRON_DAPO_FAULT=after_reward:3 python -m megatron_dapo.train ... queue.enable=true
 
 makes the process that reaches `maybe_crash("after_reward", 3)` kill itself with SIGKILL: no
-`finally`, no atexit, no flush, exactly what an OOM kill or a lost node does. Without the variable
+`finally`, no atexit, no flush, exactly what an OOM kill or a lost node does. With
+`MEGATRON_DAPO_FAULT_SIGNAL=SIGTERM` (or SIGUSR1, SIGINT) the process sends itself that signal instead and
+goes on, as a preemption notice arriving at that moment would (trainer/preemption.py); with
+`MEGATRON_DAPO_FAULT_RANK=r` only the process of global rank r (torchrun's RANK) acts. Without the variable
 (every normal run) `maybe_crash` is one dict lookup. The value is `<point>:<step>`, or several
 joined by commas. When `MEGATRON_DAPO_FAULT_ONCE` names a file, a fault fires only if that file
 can still be created (O_EXCL), so a point that a restarted process reaches again (a producer
@@ -31,6 +34,8 @@ import signal
 
 ENV = "MEGATRON_DAPO_FAULT"
 ONCE_ENV = "MEGATRON_DAPO_FAULT_ONCE"
+SIGNAL_ENV = "MEGATRON_DAPO_FAULT_SIGNAL"
+RANK_ENV = "MEGATRON_DAPO_FAULT_RANK"
 
 POINTS = ("generation", "producer_generation", "after_reward", "after_old_log_prob", "update_actor",
           "after_update_actor", "after_commit", "checkpoint_write")
@@ -60,10 +65,19 @@ def maybe_crash(point: str, step: int) -> None:
         raise ValueError(f"unknown fault point {point!r}: expected one of {POINTS}")
     if not armed(point, step):
         return
+    rank = os.environ.get(RANK_ENV)
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return
     once = os.environ.get(ONCE_ENV)
     if once:
         try:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # this fault already fired once
+    name = os.environ.get(SIGNAL_ENV)
+    if name:
+        if name not in ("SIGTERM", "SIGUSR1", "SIGINT"):
+            raise ValueError(f"{SIGNAL_ENV}={name!r}: expected SIGTERM, SIGUSR1 or SIGINT")
+        signal.raise_signal(getattr(signal, name))  # the handler runs before this returns
+        return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -39,6 +39,7 @@ from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
+from megatron_dapo.trainer.preemption import Preempted, PreemptionWatch
 from megatron_dapo.trainer.validate import validate
 from megatron_dapo.workers.batch import select_record
 
@@ -104,6 +105,7 @@ class DAPOTrainer:
                                   n=cfg.rollout.n, ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
                                   pad_id=parts.tokenizer.pad_id)
         self.loss_history: list[tuple[int, float]] = []
+        self._saved_step: int | None = None  # the step of the checkpoint this process last wrote or read
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
@@ -115,6 +117,26 @@ class DAPOTrainer:
 
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
+        """Train to trainer.total_training_steps; raises Preempted after a checkpoint when a stop signal
+        came (trainer/preemption.py)."""
+        self.watch = PreemptionWatch(self.cfg.trainer.exit_signals, group=self.p.pgs.ctrl,
+                                     world_size=self.p.pgs.world_size)
+        try:
+            return self._fit()
+        finally:
+            self.watch.close()
+
+    def _stop_if_signalled(self, *, saved: bool) -> None:
+        """A safe point (trainer/preemption.py): when a rank got a stop signal, make sure a checkpoint of
+        the step reached exists (unless `saved`, or before the first step) and raise Preempted."""
+        name = self.watch.requested()
+        if name is None:
+            return
+        if not saved and self.global_step > 0 and self._saved_step != self.global_step:
+            self._save()
+        raise Preempted(name, self.global_step)
+
+    def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         self._resume()
         if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
@@ -136,9 +158,12 @@ class DAPOTrainer:
             if self._val_enabled() and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
                 metrics.update(self._validate())
             self._log(metrics, step)
-            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or \
-                    step == cfg.trainer.total_training_steps:
+            saved = cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or \
+                step == cfg.trainer.total_training_steps
+            if saved:
                 self._save()
+            if step < cfg.trainer.total_training_steps:
+                self._stop_if_signalled(saved=saved)
         return self.last_val
 
     # -- gen + reward + dynamic sampling -----------------------------------------------------------
@@ -177,6 +202,7 @@ class DAPOTrainer:
             if self.buffer.ready() or not self.buffer.check_budget():
                 break
             self._save_inflight(step)  # a crash from here on resumes without regenerating these groups
+            self._stop_if_signalled(saved=False)
         batch, metrics = self.buffer.take()
         ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
         return batch, metrics
@@ -330,6 +356,7 @@ class DAPOTrainer:
                 "torch_rng": torch.get_rng_state(), "loss_history": [list(x) for x in self.loss_history]}
 
     def _save(self) -> None:
+        self._saved_step = self.global_step
         ckpt.save_checkpoint(self.cfg.ckpt_dir, self.global_step, actor=self.p.actor,
                              trainer_state=self._trainer_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
                              is_rank0=self.is_rank0)
@@ -360,7 +387,7 @@ class DAPOTrainer:
                 raise FileNotFoundError(f"trainer.resume_mode={mode!r}: no such checkpoint directory")
         if path is not None:
             state = ckpt.load_checkpoint(path, actor=self.p.actor)
-            self.global_step = int(state["global_step"])
+            self.global_step = self._saved_step = int(state["global_step"])
             self.p.sampler.load_state_dict(state["sampler"])
             self.p.actor.scheduler.load_state_dict(state["scheduler"])
             if self.p.kl_ctrl is not None:

@@ -67,6 +67,7 @@ from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.batch import ScoredBatch
 from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
 from megatron_dapo.trainer.fit import DAPOTrainer, TrainerParts
+from megatron_dapo.trainer.preemption import PreemptionWatch
 from megatron_dapo.trainer.producer import (
     TRAIN_PARTITION,
     Producer,
@@ -118,6 +119,7 @@ class QueueTrainer(DAPOTrainer):
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
+        self.watch = PreemptionWatch(cfg.trainer.exit_signals, group=self.p.pgs.ctrl, world_size=self.p.pgs.world_size)
         try:
             self._resume()
             if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
@@ -125,6 +127,7 @@ class QueueTrainer(DAPOTrainer):
             while self.global_step < cfg.trainer.total_training_steps:
                 self.step()
         finally:
+            self.watch.close()
             self.close()
         return self.last_val
 
@@ -146,10 +149,16 @@ class QueueTrainer(DAPOTrainer):
             if j == self.P - 1 and self._val_enabled() and (last or _crossed(first_step, step, cfg.trainer.test_freq)):
                 metrics.update(self._validate())
             self._log(metrics, step)
-        if (cfg.trainer.save_freq > 0 and _crossed(first_step, self.global_step, cfg.trainer.save_freq)) or \
-                self.global_step == cfg.trainer.total_training_steps:
+        saved = (cfg.trainer.save_freq > 0 and _crossed(first_step, self.global_step, cfg.trainer.save_freq)) or \
+            self.global_step == cfg.trainer.total_training_steps
+        if saved:
             self._save()
-            self.queue.delete_trajectories(TRAIN, self.queue.list_keys(TRAIN, is_prompt=True, status="consumed"))
+        if self.global_step < cfg.trainer.total_training_steps:
+            self._stop_if_signalled(saved=saved)  # at a weight sync: the checkpoint matches the producers
+
+    def _save(self) -> None:
+        super()._save()
+        self.queue.delete_trajectories(TRAIN, self.queue.list_keys(TRAIN, is_prompt=True, status="consumed"))
 
     def _step_once(self, step: int, timer, *, first: bool, last: bool):
         """One local update; returns (the trained ScoredBatch or None, metrics)."""

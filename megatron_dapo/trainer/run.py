@@ -477,10 +477,20 @@ def run(cfg: Config) -> int:
     t0 = time.time()
     trainer = build_trainer(cfg)
     parts = trainer.p
+    from megatron_dapo.trainer.preemption import Preempted
+
+    preempted = None
     try:
         val = trainer.fit()
+    except Preempted as p:
+        preempted = p
+        log.warning("%s; exiting with trainer.preemption_exit_code=%d (resume_mode=auto continues from it)", p,
+                    cfg.trainer.preemption_exit_code)
     finally:
         close_parts(parts)
+    if preempted is not None:
+        torch.distributed.barrier() if torch.distributed.is_initialized() and parts.pgs.world_size > 1 else None
+        return cfg.trainer.preemption_exit_code
     if parts.pgs.rank == 0:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
         print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")

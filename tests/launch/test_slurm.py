@@ -21,7 +21,9 @@ NODES = [f"h800-{i:02d}" for i in range(1, 17)]
 HEAD_IP = "10.0.0.1"
 
 SCONTROL = """#!/usr/bin/env bash
-# scontrol show hostnames a,b,c -> one name per line (the test gives explicit lists, no ranges)
+# scontrol show hostnames a,b,c -> one name per line (the test gives explicit lists, no ranges);
+# scontrol requeue ID is recorded
+if [[ "$1" == requeue ]]; then echo "scontrol requeue $2" >>"$FAKE_RECORD"; exit 0; fi
 [[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unexpected $*" >&2; exit 1; }
 tr ',' '\\n' <<<"$3"
 """
@@ -31,7 +33,8 @@ GETENT = """#!/usr/bin/env bash
 echo "10.0.0.${BASH_REMATCH[1]} $2"
 """
 # Stand-ins for the real run: each records its arguments; `ray start --block` waits to be killed,
-# a trainer exits with the status named in FAKE_TRAINER_RC_<node> (default 0).
+# a trainer runs FAKE_TRAINER_SLEEP seconds (default 0), then exits with the status named in
+# FAKE_TRAINER_RC_<node> (default 0).
 SRUN = """#!/usr/bin/env bash
 node=""
 for a in "$@"; do [[ "$a" == --nodelist=* ]] && node=${a#--nodelist=}; done
@@ -39,6 +42,7 @@ while [[ "$1" == --* ]]; do shift; done
 echo "srun on $node: $*" >>"$FAKE_RECORD"
 echo "output of $1 on $node"
 if [[ " $* " == *" --block "* ]]; then exec sleep 60; fi
+if [[ "$1" == torchrun ]]; then sleep "${FAKE_TRAINER_SLEEP:-0}"; fi
 rc_var="FAKE_TRAINER_RC_${node//-/_}"
 exit "${!rc_var:-0}"
 """
@@ -175,6 +179,40 @@ def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_
     for node in nodes:
         log = (tmp_path / "logs" / "777" / f"node-{node}.log").read_text()
         assert f"output of torchrun on {node}" in log and f"output of ray on {node}" in log
+
+
+def test_usr1_before_the_time_limit_is_forwarded_to_every_nodes_trainer_ranks_and_the_job_requeued(
+        fake_bin, tmp_path):
+    """Slurm sends the batch script USR1 ahead of the time limit (#SBATCH --signal=B:USR1@600): it asks
+    the ranks on every node (the children of each node's torchrun) to checkpoint and stop, keeps waiting
+    for the trainer steps (the signal interrupts bash's `wait`), then requeues the job."""
+    import signal
+    import time
+
+    header = SBATCH.read_text()
+    assert "#SBATCH --signal=B:USR1@600" in header and "#SBATCH --requeue" in header
+    nodes = NODES[:3]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RAY_"))}
+    env.update(PATH=f"{fake_bin}:{env['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NODELIST=",".join(nodes),
+               SLURM_JOB_NUM_NODES="3", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(REPO),
+               FAKE_RECORD=str(tmp_path / "record.txt"), PYTHON=str(fake_bin / "fake-python"),
+               LOG_DIR=str(tmp_path / "logs"), FAKE_TRAINER_SLEEP="3", **{f"FAKE_TRAINER_RC_{n.replace('-', '_')}": "75"
+                                                                          for n in nodes})
+    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    record = tmp_path / "record.txt"
+    deadline = time.monotonic() + 30
+    while not (record.exists() and record.read_text().count(" torchrun ") == 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "the trainer steps did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out  # the trainers' status, after they ended
+    lines = record.read_text().splitlines()
+    forward = [x for x in lines if "pkill -USR1" in x]
+    assert len(forward) == 1 and "pgrep -d, -f -- 'torchrun .*--rdzv_id=777 '" in forward[0], lines
+    assert lines[-1] == "scontrol requeue 777", lines
+    assert "the trainer ranks checkpoint and stop" in out and "requeueing job 777" in out
 
 
 # --- DRY_RUN=1 where there is no Slurm at all -------------------------------------------------------

@@ -7,7 +7,8 @@ Besides the points inside the queue trainer and the producers, this script insta
 code owned elsewhere, by wrapping calls from the outside:
     update_actor      after the first optimizer step of a step's actor update (mini-batch 1 of 2)
     checkpoint_write  after the model shards are written into tmp_global_step_<k>, before the rename
-On a clean finish it writes OUT_DIR/summary.json: the loss history and a SHA-256 of the final
+A stop signal (trainer/preemption.py) ends it with trainer.preemption_exit_code, as the real entry point
+does. On a clean finish it writes OUT_DIR/summary.json: the loss history and a SHA-256 of the final
 model parameters, which the tests compare with an uninterrupted run.
 """
 
@@ -81,8 +82,13 @@ def main(argv: list[str]) -> int:
     cfg = config(out, overrides)
     trainer = build_trainer(cfg)
     install_external_fault_points(trainer)
+    from megatron_dapo.trainer.preemption import Preempted
+
     try:
         trainer.fit()
+    except Preempted as e:  # as python -m megatron_dapo.train ends (trainer/run.py)
+        logging.getLogger("megatron_dapo").warning("%s", e)
+        return cfg.trainer.preemption_exit_code
     finally:
         trainer.p.reward_manager.close()
         if trainer.p.logger is not None:

@@ -40,15 +40,17 @@ class Finished:
 
 
 def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: pathlib.Path | None = None,
-            timeout_s: float = 300.0) -> Finished:
+            timeout_s: float = 300.0, fault_signal: str | None = None) -> Finished:
     """Run _fault_run.py to its end (or its SIGKILL), then end the processes it left behind.
 
     A SIGKILLed trainer orphans Megatron's checkpoint-writer multiprocessing Manager (and its resource
     tracker), which never exit on their own; they are this test's processes, ended here by pid. The
     output goes to a file, not a pipe: an orphan holding a pipe would block the read forever.
     """
-    env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, faults.ONCE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, faults.ONCE_ENV, faults.SIGNAL_ENV)}
     env["OMP_NUM_THREADS"] = "1"
+    if fault_signal:  # the fault point sends this signal instead of SIGKILL (a preemption notice)
+        env[faults.SIGNAL_ENV] = fault_signal
     if fault:
         env[faults.ENV] = fault
     if once:
@@ -217,3 +219,26 @@ def test_killed_producer_is_restarted_and_its_claim_reissued(tmp_path):
     assert once.exists(), "the producer fault never fired"
     assert "producer 0 died (exit code -9); reissued its" in proc.stderr
     _check_exactly_once(tmp_path, sync=False)
+
+
+@pytest.mark.parametrize("trainer,fault,signal_name,step", [
+    ("sync", "after_update_actor:2", "SIGTERM", 2),  # during step 2: stops at its end
+    ("queue", "generation:3", "SIGUSR1", 3),  # the queue trainer in sync mode, step 3 (no checkpoint due)
+], ids=["fit-sigterm", "queue-sigusr1"])
+def test_a_stop_signal_saves_at_the_step_reached_and_the_resumed_run_equals_the_uninterrupted_one(
+        tmp_path, reference, trainer, fault, signal_name, step):
+    """Preemption (trainer/preemption.py): the signal arrives mid-step; the run finishes that step, writes
+    its checkpoint (save_freq=2 would not have), exits with trainer.preemption_exit_code; the restarted
+    run resumes at the next step and ends where the uninterrupted run does (losses, weights)."""
+    more = ["queue.enable=false"] if trainer == "sync" else []
+    stopped = _launch(tmp_path, *more, fault=fault, fault_signal=signal_name)
+    assert stopped.returncode == 75, stopped.stderr[-4000:]
+    assert f"{signal_name} received: stopped after a checkpoint at step {step}" in stopped.stderr
+    assert _last_good_checkpoint(tmp_path) == step
+    assert not (tmp_path / "summary.json").exists()
+    _restart(tmp_path, step, *more)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (reference, tmp_path))
+    assert b["loss_history"] == a["loss_history"] and b["model_sha256"] == a["model_sha256"]
+    if trainer == "queue":
+        _assert_equal_to_reference(tmp_path, reference)
+        _check_exactly_once(tmp_path, sync=True)

@@ -65,3 +65,33 @@ def test_dp2_on_policy_update_gathers_its_log_probs_like_the_single_process_run(
     _assert_same_losses(got, single, "dp2")
     for run in (single, got):
         assert all(v < 1e-5 for v in run["scalars"]["rollout_corr/log_prob_abs_diff"].values())
+
+
+@pytest.mark.multiproc
+def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint_and_the_run_resumes(tmp_path):
+    """SIGUSR1 (what the SLURM script forwards before the time limit) reaches rank 1 only, during step 1's
+    update: the ranks agree at the step's end (trainer/preemption.py), write step 1's checkpoint, and
+    both exit with trainer.preemption_exit_code (torchrun reports a failed worker); the restarted job
+    resumes at step 2 and finishes."""
+    from megatron_dapo.trainer import faults
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_DAPO_FAULT")}
+    env.update(OMP_NUM_THREADS="1", **{faults.ENV: "after_update_actor:1", faults.SIGNAL_ENV: "SIGUSR1",
+                                       faults.RANK_ENV: "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29300 + os.getpid() % 150), "-m", "megatron_dapo.train", *ARGS,
+           "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2", f"trainer.output_dir={tmp_path}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "exitcode  : 75" in out, out[-4000:]
+    assert out.count("SIGUSR1 received: stopped after a checkpoint at step 1; exiting with "
+                     "trainer.preemption_exit_code=75") == 2, out[-4000:]
+    ckpt = tmp_path / "tiny_cpu/ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    env = {k: v for k, v in env.items() if not k.startswith("MEGATRON_DAPO_FAULT")}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and f"resumed from {ckpt}/global_step_1 at step 1" in out, out[-4000:]
+    acc = EventAccumulator(str(tmp_path / "tiny_cpu/tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert sorted(e.step for e in acc.Scalars("actor/pg_loss")) == [1, 2, 3]
