@@ -378,13 +378,15 @@ class DAPOTrainer:
         if mode == "disable":
             return
         path = None
-        if mode == "auto":
-            step = ckpt.latest_step(root)
-            path = ckpt.step_dir(root, step) if step is not None else None
+        if mode == "auto":  # the newest checkpoint that verifies against its manifest, whatever `latest` says
+            path = ckpt.newest_verified(root)
         else:
             path = mode
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"trainer.resume_mode={mode!r}: no such checkpoint directory")
+            problem = ckpt.verify_checkpoint(path)
+            if problem not in (None, "no manifest"):
+                raise ckpt.CheckpointCorrupt(f"trainer.resume_mode={mode!r}: {problem}")
         if path is not None:
             state = ckpt.load_checkpoint(path, actor=self.p.actor)
             self.global_step = self._saved_step = int(state["global_step"])

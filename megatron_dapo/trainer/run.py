@@ -443,6 +443,9 @@ def close_parts(parts) -> None:
     parts.engine.close()
     if parts.logger is not None:
         parts.logger.close()
+    from megatron_dapo.trainer.rundir import release_run_directories
+
+    release_run_directories()
 
 
 def build_trainer(cfg: Config):
@@ -453,6 +456,13 @@ def build_trainer(cfg: Config):
     from megatron_dapo.trainer.sft import sft_warmup
     from megatron_dapo.workers.build import build_reference
 
+    from megatron_dapo.trainer.rundir import lock_run_directory
+
+    if int(os.environ.get("RANK", "0")) == 0:  # before anything is written: a second job on the directory refuses
+        lock_run_directory(cfg.run_dir)
+        if os.path.commonpath([os.path.abspath(cfg.ckpt_dir), os.path.abspath(cfg.run_dir)]) != \
+                os.path.abspath(cfg.run_dir):  # checkpoints elsewhere (trainer.default_local_dir)
+            lock_run_directory(cfg.ckpt_dir)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
