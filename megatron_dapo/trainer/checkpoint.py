@@ -94,10 +94,40 @@ def _sharded_state_dict(actor, *, is_loading: bool = False) -> dict:
     return {**model_sd, "optimizer": opt_sd}
 
 
+def _die_with_parent() -> None:
+    """In a helper process: the kernel SIGKILLs it when the process that started it dies (Linux)."""
+    import ctypes
+    import signal as _signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(_signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _writer_queue_dies_with_us() -> None:
+    """Megatron's checkpoint writer reports through a multiprocessing Manager process it starts at the first
+    save and keeps for the run; a trainer killed with SIGKILL left it (and the resource tracker it holds
+    open) running forever. Start that Manager here instead, with PR_SET_PDEATHSIG, so it dies with us."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if getattr(fa, "_results_queue", "absent") is not None:  # already made, or a release without it
+        return
+    from multiprocessing.managers import SyncManager
+
+    from torch import multiprocessing as mp
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    fa._results_queue = manager.Queue()
+    fa._results_manager = manager  # keeps the Manager object (and so its process) alive with the queue
+
+
 def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool) -> str:
     """Write checkpoint `step` atomically; returns its directory."""
     from megatron.core import dist_checkpointing
 
+    _writer_queue_dies_with_us()
     final, tmp = step_dir(root, step), os.path.join(root, f"tmp_global_step_{step}")
     if is_rank0:
         os.makedirs(root, exist_ok=True)

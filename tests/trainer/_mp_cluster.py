@@ -75,8 +75,8 @@ def main(out: str, overrides: list[str]) -> None:
     stats, report = [], []
     real_sync = sync.sync
 
-    def recorded_sync(version):
-        s = real_sync(version)
+    def recorded_sync(version, targets=None):
+        s = real_sync(version, targets)
         stats.append({"version": version, "seconds": s.seconds, "buckets": s.buckets, "tensors": s.tensors,
                       "bytes_sent": s.bytes_sent, "bytes_gathered": s.bytes_gathered})
         return s

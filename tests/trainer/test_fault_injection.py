@@ -37,6 +37,8 @@ ASYNC = ["queue.max_staleness=1"]
 class Finished:
     returncode: int
     stderr: str  # stdout and stderr together
+    orphans: list = dataclasses.field(default_factory=list)
+    """Its descendants still running 10 s after it ended (killed by the test then)."""
 
 
 def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: pathlib.Path | None = None,
@@ -69,13 +71,27 @@ def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: 
             if time.monotonic() > deadline:
                 proc.kill()
             time.sleep(0.1)
-    for child in descendants.values():
+    deadline, orphans = time.monotonic() + 10, []
+    while time.monotonic() < deadline:
+        orphans = [c for c in descendants.values() if _alive(c)]
+        if not orphans:
+            break
+        time.sleep(0.1)
+    names = [f"{c.pid} {' '.join(c.cmdline()[:4])}" for c in orphans if _alive(c)]
+    for child in orphans:
         try:
             if child.is_running():  # is_running also guards against a reused pid
                 child.kill()
         except psutil.NoSuchProcess:
             pass
-    return Finished(proc.returncode, log_path.read_text())
+    return Finished(proc.returncode, log_path.read_text(), names)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _ok(proc: Finished) -> None:
@@ -242,3 +258,12 @@ def test_a_stop_signal_saves_at_the_step_reached_and_the_resumed_run_equals_the_
     if trainer == "queue":
         _assert_equal_to_reference(tmp_path, reference)
         _check_exactly_once(tmp_path, sync=True)
+
+
+def test_a_trainer_killed_mid_save_leaves_no_checkpoint_writer_behind(tmp_path):
+    """Megatron's checkpoint writer keeps a multiprocessing Manager process for the run; started by the
+    trainer with PR_SET_PDEATHSIG (trainer/checkpoint.py), it dies with a SIGKILLed trainer instead of
+    staying attached to PID 1."""
+    crashed = _launch(tmp_path, "queue.enable=false", fault="checkpoint_write:2")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-4000:]
+    assert crashed.orphans == []
