@@ -453,10 +453,9 @@ def build_trainer(cfg: Config):
     the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
     from megatron_dapo.data.arithmetic import arithmetic_sft_examples
     from megatron_dapo.trainer.fit import DAPOTrainer
+    from megatron_dapo.trainer.rundir import lock_run_directory
     from megatron_dapo.trainer.sft import sft_warmup
     from megatron_dapo.workers.build import build_reference
-
-    from megatron_dapo.trainer.rundir import lock_run_directory
 
     if int(os.environ.get("RANK", "0")) == 0:  # before anything is written: a second job on the directory refuses
         lock_run_directory(cfg.run_dir)

@@ -23,7 +23,6 @@ from megatron_dapo.trainer.producer import (
 )
 from megatron_dapo.trainer.queue_trainer import (
     TRAIN,
-    QueueTrainer,
     discard_after,
     rollback_after,
 )
