@@ -120,10 +120,19 @@ def validate_parallel_sizes(world_size: int, tp: int = 1, pp: int = 1, ep: int =
     return dp, world_size // (etp * ep * pp)
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def bound_tcp_store(host: str, world_size: int, *, timeout: datetime.timedelta,
+                    wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server that listens on `host` only, on a free port (`store.port`). Given just a port,
+    torch's store listens on every interface, where anyone on the network could read and write the
+    rendezvous keys; here it gets a socket already bound to `host` (master_listen_fd)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(socket.SOMAXCONN)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
+                         master_listen_fd=sock.detach())  # the store owns the descriptor from here
 
 
 def _start_world(backend: str, timeout_minutes: int) -> tuple[int, int, int]:
@@ -141,10 +150,10 @@ def _start_world(backend: str, timeout_minutes: int) -> tuple[int, int, int]:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                                 timeout=timeout)
     else:
-        # A plain Python process: a world of one on a loopback-only port.
+        # A plain Python process: a world of one, its store listening on loopback only.
         rank, world, local_rank = 0, 1, 0
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_loopback_port()}",
-                                rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=bound_tcp_store("127.0.0.1", 1, timeout=timeout), rank=0,
+                                world_size=1, timeout=timeout)
     _OWNS_WORLD = True
     atexit.register(_destroy_at_exit)
     return rank, world, local_rank

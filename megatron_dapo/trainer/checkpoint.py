@@ -78,7 +78,14 @@ def latest_step(root: str) -> int | None:
     return int(text)
 
 
-def _sharded_state_dict(actor, *, is_loading: bool = False) -> dict:
+def optimizer_has_state(opt) -> bool:
+    """Whether the optimizer took a step (Adam's moments exist): none before the first update, e.g. during
+    trainer.critic_warmup or when dynamic sampling kept nothing."""
+    return any(len(getattr(getattr(o, "optimizer", o), "state", {})) > 0
+               for o in getattr(opt, "chained_optimizers", [opt]))
+
+
+def _sharded_state_dict(actor, *, is_loading: bool = False, with_optimizer: bool = True) -> dict:
     chunks = actor.policy.chunks
     model_sd = {}
     # The data-parallel group passed explicitly: GPTModel.sharded_state_dict reads metadata['dp_cp_group']
@@ -87,6 +94,8 @@ def _sharded_state_dict(actor, *, is_loading: bool = False) -> dict:
     metadata = {"dp_cp_group": actor.policy.pgs.dp_cp}
     for i, c in enumerate(chunks):
         model_sd[f"model{i}" if len(chunks) > 1 else "model"] = unwrap_model(c).sharded_state_dict(metadata=metadata)
+    if not with_optimizer:
+        return model_sd
     # is_loading: a fresh optimizer has no Adam state yet; Megatron then builds the template from
     # initialised states, otherwise the loaded checkpoint would silently bring no moments.
     opt_sd = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -145,31 +154,43 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write_text(os.path.join(root, LATEST), str(step))
-        _prune(root, keep)
+        _prune(root, keep, written=step)
     _barrier()
     return final
 
 
-def _prune(root: str, keep: int) -> None:
+def _prune(root: str, keep: int, *, written: int) -> None:
+    """Keep the newest `keep` step directories; never the one just `written` (a resume from an explicit
+    path may write below steps already there)."""
     steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root)
                    if d.startswith("global_step_") and d.split("_")[-1].isdigit())
     for s in steps[:-keep]:
-        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+        if s != written:
+            shutil.rmtree(step_dir(root, s), ignore_errors=True)
 
 
 def load_checkpoint(path: str, *, actor) -> dict:
     """Load model + optimizer into `actor` from a step directory; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
-    prepare_distributed_optimizer_for_load(actor.optimizer)
-    state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True), os.path.join(path, "model"))
+    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    # Written before the optimizer's first step, a checkpoint holds no Adam moments, which the load template
+    # of a stepped optimizer would ask for: load the model alone, the optimizer starts as fresh as it was.
+    stepped = trainer_state.get("optimizer_stepped", bool(trainer_state.get("loss_history")))
+    if stepped:
+        prepare_distributed_optimizer_for_load(actor.optimizer)
+    state = dist_checkpointing.load(_sharded_state_dict(actor, is_loading=True, with_optimizer=stepped),
+                                    os.path.join(path, "model"))
     chunks = actor.policy.chunks
     for i, c in enumerate(chunks):
         unwrap_model(c).load_state_dict(state[f"model{i}" if len(chunks) > 1 else "model"])
-    with torch.no_grad():  # fp32 distributed optimizer: main params are views of model params
-        actor.optimizer.load_state_dict(state["optimizer"])
-    fix_distributed_optimizer_step_after_load(actor.optimizer, state["optimizer"])
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    if stepped:
+        with torch.no_grad():  # fp32 distributed optimizer: main params are views of model params
+            actor.optimizer.load_state_dict(state["optimizer"])
+        fix_distributed_optimizer_step_after_load(actor.optimizer, state["optimizer"])
+    else:
+        actor.optimizer.reload_model_params()  # main (fp32) copies of the loaded weights, for mixed precision
+    return trainer_state
 
 
 def prepare_distributed_optimizer_for_load(opt) -> None:

@@ -353,7 +353,8 @@ class DAPOTrainer:
         return {"global_step": self.global_step, "sampler": self.p.sampler.state_dict(),
                 "scheduler": self.p.actor.scheduler.state_dict(),
                 "kl_coef": float(self.p.kl_ctrl.value) if self.p.kl_ctrl is not None else 0.0,
-                "torch_rng": torch.get_rng_state(), "loss_history": [list(x) for x in self.loss_history]}
+                "torch_rng": torch.get_rng_state(), "loss_history": [list(x) for x in self.loss_history],
+                "optimizer_stepped": ckpt.optimizer_has_state(self.p.actor.optimizer)}
 
     def _save(self) -> None:
         self._saved_step = self.global_step
@@ -392,6 +393,7 @@ class DAPOTrainer:
             self.global_step = self._saved_step = int(state["global_step"])
             self.p.sampler.load_state_dict(state["sampler"])
             self.p.actor.scheduler.load_state_dict(state["scheduler"])
+            self.p.actor.scheduler.step(0)  # its LR into the optimizer (a checkpoint before any step has no optimizer state)
             if self.p.kl_ctrl is not None:
                 self.p.kl_ctrl.value = float(state["kl_coef"])
             torch.set_rng_state(state["torch_rng"])

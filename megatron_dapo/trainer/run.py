@@ -448,6 +448,18 @@ def close_parts(parts) -> None:
     release_run_directories()
 
 
+def _check_fresh_start(cfg: Config) -> None:
+    """trainer.resume_mode=disable where checkpoints already are would mix two runs' steps, and the new run's
+    pruning (max_ckpt_to_keep) would delete its own checkpoints as older than the old run's: refused."""
+    import glob
+
+    found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(cfg.ckpt_dir, "global_step_*")))
+    if cfg.trainer.resume_mode == "disable" and found:
+        raise ConfigError("trainer.resume_mode", f"disable, but {cfg.ckpt_dir} holds checkpoints ({', '.join(found)}) "
+                          "that a fresh run there would mix with its own and prune: resume them (auto), or give this "
+                          "run its own trainer.experiment_name or trainer.default_local_dir")
+
+
 def build_trainer(cfg: Config):
     """Parts, the supervised warm-up, the reference (when a KL term is used), then the trainer:
     the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
@@ -462,6 +474,7 @@ def build_trainer(cfg: Config):
         if os.path.commonpath([os.path.abspath(cfg.ckpt_dir), os.path.abspath(cfg.run_dir)]) != \
                 os.path.abspath(cfg.run_dir):  # checkpoints elsewhere (trainer.default_local_dir)
             lock_run_directory(cfg.ckpt_dir)
+    _check_fresh_start(cfg)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))

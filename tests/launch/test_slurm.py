@@ -112,7 +112,7 @@ def test_dry_run_ray_head_on_first_node_workers_on_the_rest(fake_bin, tmp_path):
     assert (idx, node, log) == (0, NODES[0], f"logs/777/node-{NODES[0]}.log")
     ray = argv[argv.index("ray"):]
     assert ray == ["ray", "start", "--head", f"--node-ip-address={HEAD_IP}", "--port=6379",
-                   f"--dashboard-host={HEAD_IP}", "--dashboard-port=8265", "--num-gpus=8",
+                   "--dashboard-host=127.0.0.1", "--dashboard-port=8265", "--num-gpus=8",
                    "--disable-usage-stats", "--block"]
     assert f"--nodelist={NODES[0]}" in argv and "--overlap" in argv
     assert [(i, n) for i, n, _, _ in cmds["ray-worker"]] == list(enumerate(NODES))[1:]

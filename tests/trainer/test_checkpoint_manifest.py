@@ -100,3 +100,62 @@ def test_a_training_run_resumes_past_a_corrupted_checkpoint_from_the_one_before(
     assert f"resumed from {root / 'global_step_2'} at step 2" in caplog.text
     assert sorted(_scalars(tmp_path / "c")["actor/pg_loss"]) == [1, 2, 3, 4]
     assert (root / ckpt.LATEST).read_text() == "4"
+
+
+def test_a_checkpoint_written_before_the_first_optimizer_step_resumes_and_equals_the_uninterrupted_run(
+        tmp_path, monkeypatch):
+    """trainer.critic_warmup=3: steps 1 and 2 update nothing, so their checkpoints hold no Adam moments
+    (the load used to fail on them: KeyError optimizer.state.exp_avg...). The resumed run loads the model
+    alone, its optimizer as fresh as the saved one, and steps 3 and 4 equal the uninterrupted run's."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.run import run
+    from tests.trainer.test_fit import TINY, _scalars
+
+    def cfg(name, *extra):
+        return load_config(str(ROOT / "configs/tiny_cpu.yaml"),
+                           TINY + [f"trainer.output_dir={tmp_path / name}", "trainer.experiment_name=w",
+                                   "trainer.test_freq=0", "trainer.critic_warmup=3", *extra])
+
+    from megatron_dapo.trainer import fit
+
+    args = ("trainer.total_training_steps=4", "trainer.save_freq=1")
+    assert run(cfg("a", *args)) == 0
+    real = fit.DAPOTrainer._save
+
+    def save_then_stop(self):  # the first attempt ends right after step 2's checkpoint, as a crash would
+        real(self)
+        if self.global_step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(fit.DAPOTrainer, "_save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg("b", *args))
+    monkeypatch.setattr(fit.DAPOTrainer, "_save", real)
+    import torch
+
+    state = torch.load(tmp_path / "b/w/ckpt/global_step_2/trainer_state.pt", weights_only=True)
+    assert state["optimizer_stepped"] is False and state["loss_history"] == []
+    assert run(cfg("b", *args)) == 0
+    a, b = _scalars(tmp_path / "a/w"), _scalars(tmp_path / "b/w")
+    assert sorted(b["actor/pg_loss"]) == [3, 4]
+    for name in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+        assert [a[name][s] for s in (3, 4)] == [b[name][s] for s in (3, 4)], name
+
+
+def test_a_fresh_start_where_checkpoints_are_is_refused_and_pruning_spares_what_was_just_written(tmp_path):
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.trainer.run import build_trainer
+
+    cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [f"trainer.output_dir={tmp_path}", "trainer.resume_mode=disable"])
+    for step in (10, 12):
+        _step(pathlib.Path(cfg.ckpt_dir), step)
+    with pytest.raises(ConfigError, match=r"trainer.resume_mode: disable, but .*ckpt holds checkpoints "
+                                          r"\(global_step_10, global_step_12\)"):
+        build_trainer(cfg)
+    assert not (pathlib.Path(cfg.run_dir) / "config.yaml").exists()
+    root = pathlib.Path(cfg.ckpt_dir)
+    _step(root, 1)
+    ckpt._prune(str(root), 2, written=1)  # a step below the ones there (resumed from another directory)
+    assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_1", "global_step_10", "global_step_12"]
+    ckpt._prune(str(root), 2, written=12)
+    assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_10", "global_step_12"]

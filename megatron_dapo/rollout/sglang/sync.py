@@ -52,6 +52,7 @@ import torch.distributed as dist
 from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.models.hf import iter_stage_hf_groups
 from megatron_dapo.models.weights import is_stage_sender
+from megatron_dapo.parallel import bound_tcp_store
 from megatron_dapo.rollout.sglang import weights as sw
 from megatron_dapo.rollout.sglang.payloads import post_control
 
@@ -129,7 +130,7 @@ def _open_group(servers: ServerSet, *, host: str, group_name: str, backend: str,
 
     offsets, world_size = sw.weight_group_layout(list(servers.tp_sizes))
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    store = bound_tcp_store(host, world_size, timeout=timeout, wait_for_workers=False)  # on `host` only
     bodies = [sw.init_weights_update_group_payload(master_address=host, master_port=store.port, rank_offset=off,
                                                    world_size=world_size, group_name=group_name, backend=backend)
               for off in offsets]
