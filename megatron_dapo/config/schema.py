@@ -586,8 +586,10 @@ class TrainerConfig:
         _check(self.sft_warmup_batch_size >= 1, "trainer.sft_warmup_batch_size", ">= 1", self.sft_warmup_batch_size)
         _check(0.0 <= self.sft_warmup_target_acc < 1.0, "trainer.sft_warmup_target_acc", "in [0, 1)",
                self.sft_warmup_target_acc)
-        _check(bool(self.experiment_name) and "/" not in self.experiment_name, "trainer.experiment_name",
-               "a non-empty name without '/'", self.experiment_name)
+        _check(bool(self.experiment_name) and "/" not in self.experiment_name
+               and self.experiment_name not in (".", ".."), "trainer.experiment_name",
+               "a non-empty name without '/', not '.' or '..' (it names a directory under trainer.output_dir)",
+               self.experiment_name)
 
     @property
     def world_size(self) -> int:

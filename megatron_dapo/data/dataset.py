@@ -249,6 +249,8 @@ def load_prompt_dataset(
                 prompt_ids = tokenizer.encode(text)
             except ValueError as exc:
                 raise _BadRow("prompt", f"the tokenizer cannot encode it ({exc})") from exc
+            if not prompt_ids:
+                raise _BadRow("prompt", f"encodes to no tokens (content {text!r:.80}): nothing to generate from")
         except _BadRow as bad:
             message = f"{path}: {where}: {bad}"
             if on_bad_row == "raise":

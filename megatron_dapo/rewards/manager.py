@@ -168,6 +168,13 @@ def _check_result(result: object) -> _Outcome:
     if not math.isfinite(score):
         return _Outcome(failure=f"returned a non-finite score {score}")
     acc = result.get("acc", score > 0)
+    if isinstance(acc, torch.Tensor) or type(acc).__module__ == "numpy":
+        try:
+            acc = acc.item()  # a torch or numpy scalar (np.bool_ included); an array stays and is refused below
+        except (ValueError, RuntimeError):
+            pass
+    if not isinstance(acc, (bool, int)) or (isinstance(acc, int) and acc not in (0, 1)):
+        return _Outcome(failure=f"returned acc={acc!r} ({type(acc).__name__}), expected a bool")  # NaN would count as correct
     return _Outcome(score=score, acc=bool(acc), pred=result.get("pred"))
 
 

@@ -106,6 +106,11 @@ def test_unknown_key_names_it_and_suggests_the_closest():
     (["data.task=files", "data.train_files=x.parquet", "data.tokenizer=tok"], "data.val_files"),
     (["algorithm.rollout_correction.preset=decoupled_seq_is", "algorithm.rollout_correction.bypass_mode=true"],
      "algorithm.rollout_correction.bypass_mode"),
+    (["trainer.experiment_name=.."], "trainer.experiment_name"),  # would write into output_dir's parent
+    (["trainer.exit_signals=[SIGHUP]"], "trainer.exit_signals"),
+    (["trainer.preemption_exit_code=2"], "trainer.preemption_exit_code"),
+    (["rollout.health_check_interval_s=0"], "rollout.health_check_interval_s"),
+    (["rollout.server_down_timeout_s=0"], "rollout.server_down_timeout_s"),
 ])
 def test_invalid_values_raise_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:

@@ -98,6 +98,8 @@ MALFORMED = [
                  id="ground_truth_bool"),
     pytest.param({**make_row(), "extra_info": [1]}, "'extra_info': expected a dict", id="extra_info_list"),
     pytest.param(make_row(question="what?"), "'prompt': the tokenizer cannot encode it", id="unencodable"),
+    pytest.param({**make_row(), "prompt": [{"role": "user", "content": ""}]}, "'prompt': encodes to no tokens",
+                 id="empty_content"),
 ]  # fmt: skip
 
 
