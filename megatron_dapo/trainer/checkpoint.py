@@ -309,7 +309,10 @@ def newest_verified(root: str) -> str | None:
     steps = sorted((int(d.split("_")[-1]) for d in os.listdir(root)
                     if d.startswith("global_step_") and d.split("_")[-1].isdigit()), reverse=True)
     marker = os.path.join(root, LATEST)
-    named = open(marker).read().strip() if os.path.isfile(marker) else None
+    named = None
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            named = f.read().strip()
     rejected = []
     for step in steps:
         path = step_dir(root, step)

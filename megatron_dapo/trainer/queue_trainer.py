@@ -67,7 +67,6 @@ from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.batch import ScoredBatch
 from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
 from megatron_dapo.trainer.fit import DAPOTrainer, TrainerParts
-from megatron_dapo.trainer.preemption import PreemptionWatch
 from megatron_dapo.trainer.producer import (
     TRAIN_PARTITION,
     Producer,
@@ -117,9 +116,9 @@ class QueueTrainer(DAPOTrainer):
         self.pool: ProducerPool | None = None
 
     # ---------------------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
+    def _fit(self) -> dict[str, float]:
+        """The loop `fit` runs (inside its stop-signal watch): `step` to trainer.total_training_steps."""
         cfg = self.cfg
-        self.watch = PreemptionWatch(cfg.trainer.exit_signals, group=self.p.pgs.ctrl, world_size=self.p.pgs.world_size)
         try:
             self._resume()
             if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
@@ -127,7 +126,6 @@ class QueueTrainer(DAPOTrainer):
             while self.global_step < cfg.trainer.total_training_steps:
                 self.step()
         finally:
-            self.watch.close()
             self.close()
         return self.last_val
 

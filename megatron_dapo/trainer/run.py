@@ -70,12 +70,12 @@ def _connect(cfg: Config, urls: list[str], servers=()):
 
     r = cfg.rollout
     engine = SGLangEngine(urls, max_concurrency=r.max_concurrency, request_timeout_s=r.request_timeout_s,
-                        max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
-                        require_deterministic=r.deterministic_inference,
-                        require_memory_saver=r.mode == "colocate" and r.require_memory_saver,
-                        health_check_interval_s=r.health_check_interval_s,
-                        server_down_timeout_s=r.server_down_timeout_s,
-                        restart=_restarter(servers) if servers and r.restart_servers else None)
+                          max_retries=r.max_retries, tp_size=r.tensor_model_parallel_size,
+                          require_deterministic=r.deterministic_inference,
+                          require_memory_saver=r.mode == "colocate" and r.require_memory_saver,
+                          health_check_interval_s=r.health_check_interval_s,
+                          server_down_timeout_s=r.server_down_timeout_s,
+                          restart=_restarter(servers) if servers and r.restart_servers else None)
     try:
         check_served_model(cfg, engine.model_identity)
     except BaseException:

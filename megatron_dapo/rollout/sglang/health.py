@@ -12,8 +12,9 @@ A server is in one of three states:
   includes it (`sync_targets`), and it is back up once it reports that sync's version (`confirm`).
 
 The poller is one daemon thread: every `interval_s` it probes each server (`probe(url, deep=True)`: /health,
-then the weight version from /model_info; `deep=False` reads the version only). With no server up for `down_timeout_s`, `wait_for_up` raises
-AllServersDown, naming every server and its last error: the run stops instead of waiting forever.
+then the weight version from /model_info; `deep=False` reads the version only). With no server up for
+`down_timeout_s`, `check_any_up` (from the engine's wait for a server, and `wait_for_targets` before a sync)
+raises AllServersDown, naming every server and its last error: the run stops instead of waiting forever.
 
 Every change is an event (`events`, with monotonic and wall-clock times) and counted (`take_counts`): the
 trainer logs the counts as metrics each step (docs/metrics.md, rollout/server_*).

@@ -210,8 +210,7 @@ class SGLangWeightSync:
         self._store = None
         self._token = ""  # distributed: this trainer start's part of the group names
         self._regroups = 0
-        self.active = tuple(range(len(servers.urls)))
-        """Indices of the servers the syncs feed now (every server at set-up; see `sync(targets=...)`)."""
+        self._set_active(tuple(range(len(servers.urls))))
         self._fanout = None  # ipc: senders + node leaders
         self._fanout_ranks: list[int] = []
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
@@ -243,15 +242,18 @@ class SGLangWeightSync:
             # (the default file descriptors open only in the sender's own children).
             torch.multiprocessing.set_sharing_strategy("file_system")
 
-    def _active_set(self) -> ServerSet:
-        s, idx = self.servers, self.active
-        return ServerSet(urls=tuple(s.urls[i] for i in idx), tp_sizes=tuple(s.tp_sizes[i] for i in idx),
-                         nodes=tuple(s.nodes[i] for i in idx) if s.nodes else ())
+    def _set_active(self, active: tuple[int, ...]) -> None:
+        """The servers the syncs feed from now on: `active` (indices into `servers`) and their ServerSet."""
+        s = self.servers
+        self.active = active
+        self.active_servers = ServerSet(urls=tuple(s.urls[i] for i in active),
+                                        tp_sizes=tuple(s.tp_sizes[i] for i in active),
+                                        nodes=tuple(s.nodes[i] for i in active) if s.nodes else ())
 
     def _open_groups(self) -> None:
         """distributed: each stage's sender opens its weight-update group with the active servers, stages
         in turn (a server joins one group at a time); a collective of all ranks."""
-        pgs, servers = self.pgs, self._active_set()
+        pgs, servers = self.pgs, self.active_servers
         suffix = f"_r{self._regroups}" if self._regroups else ""
         for stage in range(pgs.pp_size):
             if pgs.pp_rank == stage and self.sender:
@@ -269,16 +271,9 @@ class SGLangWeightSync:
         """distributed: the servers changed (one left, or came back restarted): every sender leaves its
         group (the servers that stay in it are told to destroy it; a lost one is not contacted) and opens
         a new one, under a new name, with the servers now active."""
-        staying = [self.servers.urls[i] for i in self.active if i in active]
-        if self._group is not None:
-            if staying:
-                try:
-                    post_all(staying, "/destroy_weights_update_group", [{"group_name": self._group_name}] * len(staying),
-                             timeout_s=30.0)
-                except WeightSyncError as e:
-                    log.warning("leaving weight-update group %s: %s", self._group_name, e)
-            self._shutdown_group()
-        self.active, self._regroups = active, self._regroups + 1
+        self._leave_group([self.servers.urls[i] for i in self.active if i in active])
+        self._set_active(active)
+        self._regroups += 1
         self._open_groups()
 
     # ------------------------------------------------------------------------------------ one sync
@@ -302,7 +297,7 @@ class SGLangWeightSync:
                 if self.transport == "distributed":
                     self._regroup(active)
                 else:
-                    self.active = active
+                    self._set_active(active)
         traffic: dict[str, int] = {}
         if pgs.rank == 0 and self.session is not None:
             self._guard(lambda: self.session("begin"), "begin the weight-update session")
@@ -373,7 +368,7 @@ class SGLangWeightSync:
                                              weight_version=None if version is None else str(version))
         if self.selector is not None:
             body["selector"] = self.selector
-        urls = self._active_set().urls
+        urls = self.active_servers.urls
         try:
             post_all(urls, "/update_weights_from_distributed", [body] * len(urls), timeout_s=self.timeout_s)
         except WeightSyncError as e:
@@ -389,7 +384,7 @@ class SGLangWeightSync:
                 self._group.broadcast([t], dist.BroadcastOptions()).wait()
             posting.result()
         stats.buckets += 1
-        stats.bytes_sent += sum(self._active_set().tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
+        stats.bytes_sent += sum(self.active_servers.tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
 
     def _fan_out(self, buckets, *, stage: int, version: int, last_stage: bool, stats: SyncStats) -> None:
         """ipc: stage `stage`'s sender broadcasts each bucket to the fan-out group (senders + node leaders);
@@ -460,16 +455,19 @@ class SGLangWeightSync:
 
     def close(self) -> None:
         """Leave the weight-update group (servers first, then this side); idempotent."""
-        if self._group is not None:
-            urls = self._active_set().urls
+        self._leave_group(self.active_servers.urls)
+
+    def _leave_group(self, urls) -> None:
+        """distributed: the servers at `urls` destroy this sender's group (a lost one is not contacted), then
+        this side shuts it down; a no-op without a group."""
+        if self._group is None:
+            return
+        if urls:
             try:
                 post_all(urls, "/destroy_weights_update_group", [{"group_name": self._group_name}] * len(urls),
                          timeout_s=30.0)
             except WeightSyncError as e:
-                log.warning("closing the weight-update group: %s", e)
-            self._shutdown_group()
-
-    def _shutdown_group(self) -> None:
+                log.warning("leaving weight-update group %s: %s", self._group_name, e)
         # The group was built outside torch's world registry (as the servers build theirs), so
         # destroy_process_group does not know it: shut the backend down directly.
         try:
