@@ -29,6 +29,7 @@ from tests.sglang_real.conftest import (
     server_tree,
 )
 from tests.sglang_real.test_train import PROBE_DIFF_TOL, _processes_in, _scalars, train_overrides
+from tests.standin import free_port
 
 STEPS = 4
 DOWN_TIMEOUT_S = 10
@@ -36,7 +37,7 @@ DOWN_TIMEOUT_S = 10
 
 def _torchrun(tmp_path: pathlib.Path, mode: str, *overrides: str, timeout_s: int = 900) -> tuple[int, float]:
     """Run the driver on 2 processes; (exit code, seconds)."""
-    port = 29500 + (os.getpid() + len(mode) * 13) % 400
+    port = free_port()  # an OS-chosen free port: fixed ranges collide with ports other tests left in TIME_WAIT
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     t0 = time.monotonic()
     with open(tmp_path / "launch.log", "w") as f:

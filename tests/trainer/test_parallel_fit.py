@@ -10,6 +10,8 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.standin import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARGS = ["--config", "configs/tiny_cpu.yaml", "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0",
         "algorithm.filter_groups.metric=seq_reward", "data.max_response_length=6", "reward.overlong_buffer.len=4",
@@ -36,11 +38,10 @@ def _train(out: pathlib.Path, *extra: str, nproc: int = 1, port: int = 0) -> dic
 
 @pytest.mark.multiproc
 def test_dp2_and_tp2_training_runs_equal_the_single_process_run(tmp_path):
-    base = 29700 + os.getpid() % 200
     single = _train(tmp_path / "single")
-    for name, extra, port in (("dp2", ["trainer.n_gpus_per_node=2"], base),
+    for name, extra, port in (("dp2", ["trainer.n_gpus_per_node=2"], free_port()),
                               ("tp2", ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"],
-                               base + 1)):
+                               free_port())):
         got = _train(tmp_path / name, *extra, nproc=2, port=port)
         assert got["groups"] == single["groups"], name
         _assert_same_losses(got, single, name)
@@ -60,7 +61,7 @@ def test_dp2_on_policy_update_gathers_its_log_probs_like_the_single_process_run(
     on_policy = "actor.ppo_mini_batch_size=4"
     single = _train(tmp_path / "single", on_policy)
     got = _train(tmp_path / "dp2", on_policy, "trainer.n_gpus_per_node=2", nproc=2,
-                 port=29900 + os.getpid() % 90)
+                 port=free_port())
     assert got["groups"] == single["groups"]
     _assert_same_losses(got, single, "dp2")
     for run in (single, got):
@@ -79,7 +80,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step_with_a_checkpoint_and_
     env.update(OMP_NUM_THREADS="1", **{faults.ENV: "after_update_actor:1", faults.SIGNAL_ENV: "SIGUSR1",
                                        faults.RANK_ENV: "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29300 + os.getpid() % 150), "-m", "megatron_dapo.train", *ARGS,
+           "--master_port", str(free_port()), "-m", "megatron_dapo.train", *ARGS,
            "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2", f"trainer.output_dir={tmp_path}"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
