@@ -154,12 +154,41 @@ def _parse_dotlist(items: list[str]) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a mapping with the same key twice (the last one would win silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ConfigError("--config", f"{self.name}: key {key!r} appears twice in one mapping "
+                                              f"(lines {first} and {key_node.start_mark.line + 1})")
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str) -> dict:
+    """A recipe file: a UTF-8 YAML mapping with no duplicate keys; anything else is a ConfigError naming it."""
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        with open(path, encoding="utf-8") as f:
+            loader = _UniqueKeyLoader(f)
+            try:
+                raw = loader.get_single_data()
+            finally:
+                loader.dispose()
     except FileNotFoundError:
         raise ConfigError("--config", f"file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError("--config", f"{path} is a directory, expected a YAML file") from None
+    except PermissionError:
+        raise ConfigError("--config", f"{path} cannot be read (permission denied)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                                      f"{e.start}): a recipe is a YAML file") from None
     except yaml.YAMLError as e:
         raise ConfigError("--config", f"{path} is not valid YAML: {e}") from None
     if raw is None:

@@ -186,3 +186,27 @@ def test_cli_invalid_config_exits_2_with_one_line_naming_the_key():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "actor.clip_ratio_c" in lines[0] and "> 1" in lines[0]
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("binary.yaml", b"\xf0\x9f\x00\xff\x01\x02", "is not UTF-8 text (byte 0xf0 at offset 0): a recipe is a YAML file"),
+    ("latin1.yaml", "actor:\n  lr: 1e-6  # r\xe9glage\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 22): a recipe is a YAML file"),
+    ("dir.yaml", None, "is a directory, expected a YAML file"),
+    ("dup.yaml", b"data:\n  train_batch_size: 4\n  gen_batch_size: 8\n  train_batch_size: 8\n",
+     "key 'train_batch_size' appears twice in one mapping (lines 2 and 4)"),
+])
+def test_cli_unreadable_or_ambiguous_recipe_exits_2_with_one_line_naming_the_file(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_bytes(content)
+    r = _cli("--config", str(path), "--print-config")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0] == f"config error: --config: {path}{':' if name == 'dup.yaml' else ''} {expected}"
+
+
+def test_a_key_repeated_in_different_mappings_is_not_a_duplicate(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("data:\n  seed: 3\ntrainer:\n  seed: 4\n")
+    raw = load_yaml(str(path))
+    assert raw == {"data": {"seed": 3}, "trainer": {"seed": 4}}
