@@ -519,7 +519,8 @@ class TrainerConfig:
     total_training_steps: int = 30
     """Training steps to run. [recipe: trainer.total_training_steps]"""
     total_epochs: int = 100
-    """Upper bound in epochs over the prompts. [recipe: trainer.total_epochs]"""
+    """Upper bound in epochs over the prompts: training ends after the step that draws the last prompt of this
+    many epochs, or at total_training_steps, whichever comes first. [recipe: trainer.total_epochs]"""
     save_freq: int = 10
     """Checkpoint every this many steps (-1 = never; the last step is always saved). [recipe: trainer.save_freq]"""
     test_freq: int = 5

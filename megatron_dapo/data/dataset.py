@@ -8,7 +8,9 @@ One row per prompt, with the columns
     extra_info    dict or null                  optional; "index" (if any) names the row in the uid
 
 Rows are numbered from 0 in file order (in a .jsonl file blank lines do not count; error
-messages also give the 1-based line). ``load_prompt_dataset`` turns each row into a
+messages also give the 1-based line). A .jsonl line that is not UTF-8 is a malformed row (skipped
+with ``on_bad_row="skip"``); a parquet file that cannot be read (empty, truncated) or a .json array
+that is not UTF-8 is an error naming the file. ``load_prompt_dataset`` turns each row into a
 ``PromptRecord``: the prompt goes through the tokenizer's chat template (or is the message
 contents joined by newlines when ``apply_chat_template=False``) and is tokenized without extra
 special tokens.
@@ -104,17 +106,29 @@ def _iter_rows(path: str) -> Iterator[tuple[int, str, dict | _BadRow]]:
     """Yield (row number, where, row or _BadRow) in file order; ``where`` locates the row for messages."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-            for item in batch.to_pylist():
-                yield row, f"row {row} (0-based)", item
-                row += 1
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+            for batch in batches:
+                for item in batch.to_pylist():
+                    yield row, f"row {row} (0-based)", item
+                    row += 1
+        except (pa.ArrowException, OSError) as exc:
+            size = os.path.getsize(path)
+            raise DatasetError(f"{path}: not a readable parquet file ({size} bytes; read {row} rows before the "
+                               f"error): {exc}") from None
     elif suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if suffix == ".json" and text.lstrip().startswith("["):
+        with open(path, "rb") as f:
+            data = f.read().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not part of the JSON
+        if suffix == ".json" and data.lstrip().startswith(b"["):
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") \
+                    from None
             try:
                 items = json.loads(text)
             except json.JSONDecodeError as exc:
@@ -129,12 +143,14 @@ def _iter_rows(path: str) -> Iterator[tuple[int, str, dict | _BadRow]]:
                 )
             return
         row = 0
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
+        for line_number, raw in enumerate(data.splitlines(), start=1):
+            if not raw.strip():
                 continue
             where = f"row {row} (0-based; line {line_number})"
             try:
-                item = json.loads(line)
+                item = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                item = _BadRow("<utf-8>", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
             except json.JSONDecodeError as exc:
                 item = _BadRow("<json>", f"not valid JSON ({exc.msg} at column {exc.colno})")
             else:

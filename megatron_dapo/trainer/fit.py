@@ -117,7 +117,7 @@ class DAPOTrainer:
 
     # ---------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Train to trainer.total_training_steps; raises Preempted after a checkpoint when a stop signal
+        """Train to trainer.total_training_steps (or trainer.total_epochs); raises Preempted after a checkpoint when a stop signal
         came (trainer/preemption.py)."""
         self.watch = PreemptionWatch(self.cfg.trainer.exit_signals, group=self.p.pgs.ctrl,
                                      world_size=self.p.pgs.world_size)
@@ -141,7 +141,7 @@ class DAPOTrainer:
         self._resume()
         if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
             self._log(self._validate(), step=0)
-        while self.global_step < cfg.trainer.total_training_steps:
+        while not self._done():
             step = self.global_step + 1
             timer, t0 = StageTimer(), time.perf_counter()
             batch, metrics = self._collect(step, timer)  # gen + reward + dynamic sampling
@@ -155,16 +155,31 @@ class DAPOTrainer:
             if batch is not None:
                 metrics.update(self._perf_metrics(batch, timings))
                 self._dump(batch, step)
-            if self._val_enabled() and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
+            last = self._done()
+            if self._val_enabled() and (step % cfg.trainer.test_freq == 0 or last):
                 metrics.update(self._validate())
             self._log(metrics, step)
-            saved = cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or \
-                step == cfg.trainer.total_training_steps
+            saved = cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or last
             if saved:
                 self._save()
-            if step < cfg.trainer.total_training_steps:
+            if not last:
                 self._stop_if_signalled(saved=saved)
         return self.last_val
+
+    def _done(self) -> bool:
+        """Training is over: trainer.total_training_steps ran, or the sampler has drawn every prompt of
+        trainer.total_epochs epochs (a step in progress then completes; dynamic sampling may draw its last
+        prompts from the next epoch's order)."""
+        cfg, sampler = self.cfg, self.p.sampler
+        if self.global_step >= cfg.trainer.total_training_steps:
+            return True
+        if sampler.epoch >= cfg.trainer.total_epochs and not sampler.front:
+            if not getattr(self, "_told_epochs", False) and self.is_rank0:
+                log.info("trainer.total_epochs=%d reached at step %d: training ends", cfg.trainer.total_epochs,
+                         self.global_step)
+            self._told_epochs = True
+            return True
+        return False
 
     # -- gen + reward + dynamic sampling -----------------------------------------------------------
     def _collect(self, step: int, timer):

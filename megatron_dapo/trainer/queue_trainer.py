@@ -123,7 +123,7 @@ class QueueTrainer(DAPOTrainer):
             self._resume()
             if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
                 self._log(self._validate(), step=0)
-            while self.global_step < cfg.trainer.total_training_steps:
+            while not self._done():
                 self.step()
         finally:
             self.close()
@@ -143,15 +143,15 @@ class QueueTrainer(DAPOTrainer):
             if batch is not None:
                 metrics.update(self._perf_metrics(batch, timings))
                 self._dump(batch, step)
-            last = step == cfg.trainer.total_training_steps
+            last = j == self.P - 1 and self._done()
             if j == self.P - 1 and self._val_enabled() and (last or _crossed(first_step, step, cfg.trainer.test_freq)):
                 metrics.update(self._validate())
             self._log(metrics, step)
-        saved = (cfg.trainer.save_freq > 0 and _crossed(first_step, self.global_step, cfg.trainer.save_freq)) or \
-            self.global_step == cfg.trainer.total_training_steps
+        last = self._done()
+        saved = (cfg.trainer.save_freq > 0 and _crossed(first_step, self.global_step, cfg.trainer.save_freq)) or last
         if saved:
             self._save()
-        if self.global_step < cfg.trainer.total_training_steps:
+        if not last:
             self._stop_if_signalled(saved=saved)  # at a weight sync: the checkpoint matches the producers
 
     def _save(self) -> None:

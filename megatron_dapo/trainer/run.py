@@ -16,7 +16,7 @@ log = logging.getLogger("megatron_dapo")
 
 def _datasets(cfg: Config, tokenizer):
     from megatron_dapo.data.arithmetic import make_arithmetic_dataset
-    from megatron_dapo.data.dataset import load_prompt_dataset
+    from megatron_dapo.data.dataset import DatasetError, load_prompt_dataset
 
     d = cfg.data
     if d.task == "arithmetic":
@@ -29,6 +29,16 @@ def _datasets(cfg: Config, tokenizer):
               apply_chat_template=d.apply_chat_template)
     train = load_prompt_dataset(d.train_files, tokenizer, **kw)
     val = load_prompt_dataset(d.val_files, tokenizer, uid_prefix="val", **kw) if d.val_files else None
+    for path, data in ((d.train_files, train), (d.val_files, val)):
+        if data is not None and data.stats["rows_filtered_too_long"]:
+            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens", path,
+                        data.stats["rows_filtered_too_long"], data.stats["rows_read"], d.max_prompt_length)
+    if len(train) < d.effective_gen_batch_size:
+        s = train.stats
+        raise DatasetError(f"{d.train_files}: {len(train)} usable prompts, fewer than one generation batch "
+                           f"({d.effective_gen_batch_size}): of {s['rows_read']} rows, {s['rows_filtered_too_long']} "
+                           f"are longer than data.max_prompt_length={d.max_prompt_length} tokens and "
+                           f"{s['rows_skipped_malformed']} are malformed")
     return train, val
 
 
@@ -497,7 +507,13 @@ def build_trainer(cfg: Config):
 def run(cfg: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t0 = time.time()
-    trainer = build_trainer(cfg)
+    from megatron_dapo.data.dataset import DatasetError
+
+    try:
+        trainer = build_trainer(cfg)
+    except DatasetError as e:  # a data file or row that cannot be used: one line, like a config error
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     parts = trainer.p
     from megatron_dapo.trainer.preemption import Preempted
 

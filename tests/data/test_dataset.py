@@ -136,6 +136,40 @@ def test_invalid_json_line_is_a_malformed_row(tmp_path):
     assert len(load_prompt_dataset(str(path), TOK, max_prompt_length=16, on_bad_row="skip")) == 1
 
 
+def test_non_utf8_jsonl_line_is_a_malformed_row_and_the_rest_of_the_file_is_read(tmp_path):
+    path = tmp_path / "d.jsonl"
+    bad = json.dumps(make_row("3+4=x", "7")).encode().replace(b"3+4=x", b"3+4=\xe9")  # a Latin-1 byte
+    column = bad.index(b"\xe9") + 1
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(make_row(index=0)).encode() + b"\n" + bad + b"\n"
+                     + json.dumps(make_row("5+5=", "10", index=2)).encode() + b"\n")
+    with pytest.raises(DatasetError, match=rf"^{path}: row 1 \(0-based; line 2\): field '<utf-8>': not UTF-8 text "
+                                           rf"\(byte 0xe9 at column {column}\)$"):
+        load_prompt_dataset(str(path), TOK, max_prompt_length=32)
+    dataset = load_prompt_dataset(str(path), TOK, max_prompt_length=32, on_bad_row="skip")
+    assert dataset.uids == ["math_dapo-0", "math_dapo-2"]  # the byte-order mark did not spoil row 0
+    assert dataset.stats["rows_skipped_malformed"] == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1\x00\x01", "truncated"], ids=["0-byte", "garbage", "truncated"])
+def test_unreadable_parquet_names_the_file(tmp_path, content):
+    path = tmp_path / "d.parquet"
+    if content == "truncated":
+        write_parquet(path, [make_row(index=i) for i in range(50)])
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        path.write_bytes(content)
+    size = path.stat().st_size
+    with pytest.raises(DatasetError, match=rf"^{path}: not a readable parquet file \({size} bytes; read 0 rows"):
+        load_prompt_dataset(str(path), TOK, max_prompt_length=32, on_bad_row="skip")
+
+
+def test_non_utf8_json_array_names_the_file(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_bytes(b'[{"data_source": "caf\xe9"}]')
+    with pytest.raises(DatasetError, match=rf"^{path}: not UTF-8 text \(byte 0xe9 at offset 21\)$"):
+        load_prompt_dataset(str(path), TOK, max_prompt_length=32)
+
+
 def test_numeric_ground_truth_becomes_text(tmp_path):
     rows = [make_row(truth=42), make_row(truth=42.0), make_row(truth=0.5)]
     dataset = load_prompt_dataset(

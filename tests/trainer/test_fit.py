@@ -204,3 +204,22 @@ def test_aborted_responses_are_excluded_from_the_group_advantages():
     # group b (rewards = acc - 0.1): mean 0.4, unbiased std sqrt(1/3); +-0.5 / (std + 1e-6) on its rows.
     want = 0.5 / (torch.tensor([1.0, 0.0, 1.0, 0.0]).std().item() + 1e-6)
     torch.testing.assert_close(per_row[4:], torch.tensor([want, -want, want, -want]), atol=1e-5, rtol=1e-5)
+
+
+def test_total_epochs_ends_training_after_the_last_prompt_of_the_epochs(tmp_path, caplog):
+    # 8 prompts, 4 per step, no dynamic sampling: two steps per epoch, so two epochs are four steps of 30.
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=30", "trainer.total_epochs=2", "data.arithmetic.num_train=8",
+               "data.gen_batch_size=4", "algorithm.filter_groups.enable=false", "trainer.save_freq=3",
+               "trainer.experiment_name=ep")
+    with caplog.at_level("INFO", logger="megatron_dapo.trainer.fit"):
+        assert run(cfg) == 0
+    assert "trainer.total_epochs=2 reached at step 4: training ends" in caplog.text
+    scalars = _scalars(tmp_path / "ep")
+    assert set(scalars["actor/pg_loss"]) == {1, 2, 3, 4}
+    assert 4 in scalars["val/arithmetic/acc/mean@4"]  # the last step validates ...
+    ckpt = tmp_path / "ep" / "ckpt"  # ... and saves, as at total_training_steps
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert {p.name for p in ckpt.glob("global_step_*")} == {"global_step_3", "global_step_4"}
+    prompts = [sorted({u.split("@")[0] for s in steps for u in _dumped_uids(tmp_path / "dumps", s)})
+               for steps in ((1, 2), (3, 4))]
+    assert prompts[0] == prompts[1] == [f"arith-train-{i}" for i in range(8)]  # every prompt once per epoch
