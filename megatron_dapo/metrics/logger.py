@@ -19,7 +19,8 @@ the events.
 wandb and mlflow are configured the way their users expect, by their own environment variables:
 `WANDB_MODE=offline` (or `WANDB_API_KEY` for the hosted service, `WANDB_ENTITY`, ...), files under
 `wandb_dir/wandb/`; `MLFLOW_TRACKING_URI` (an MLflow server, or `sqlite:///...` with the full `mlflow`
-package). The run is named `experiment` in the project / experiment `project`; `config` (the resolved
+package); W&B's service gets 300 s to start, not its default 30 s, unless `WANDB__SERVICE_WAIT` is set.
+The run is named `experiment` in the project / experiment `project`; `config` (the resolved
 config) becomes the W&B run config and the MLflow run's parameters (flattened to `section.key`).
 
 Non-finite values (NaN, +-inf) are logged as they are, because hiding a NaN hides the bug; each
@@ -34,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import re
 import sys
 import time
@@ -47,6 +49,7 @@ from torch import Tensor
 __all__ = ["BACKENDS", "CONSOLE_KEYS", "MetricsLogger", "mlflow_name"]
 
 _LOG = logging.getLogger(__name__)
+WANDB_SERVICE_WAIT_S = 300.0  # W&B's own default, 30 s, fails a run whose node is busy at start
 
 BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
 # Shown on the console next to step and ETA when present in the step's metrics.
@@ -76,7 +79,11 @@ def _import_backend(backend: str):
 class _WandbSink:
     def __init__(self, *, project: str, experiment: str | None, directory: str | None, config: dict | None):
         wandb = _import_backend("wandb")
-        self._run = wandb.init(project=project, name=experiment, dir=directory, config=config or {})
+        # W&B waits 30 s for its service process (wandb-core) to start, then raises; on a loaded node (a cold
+        # page cache, a busy head node) that start can take longer. WANDB__SERVICE_WAIT, when set, still rules.
+        settings = {} if "WANDB__SERVICE_WAIT" in os.environ else {"x_service_wait": WANDB_SERVICE_WAIT_S}
+        self._run = wandb.init(project=project, name=experiment, dir=directory, config=config or {},
+                               settings=wandb.Settings(**settings))
 
     def write(self, values: dict[str, float], step: int) -> None:
         self._run.log(values, step=step)

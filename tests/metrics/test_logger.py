@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_dapo.metrics.logger import MetricsLogger, mlflow_name
+from megatron_dapo.metrics.logger import WANDB_SERVICE_WAIT_S, MetricsLogger, mlflow_name
 
 
 def _read_scalars(log_dir):
@@ -179,7 +179,11 @@ def wandb_offline(tmp_path, monkeypatch):
                        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "wc"),
                        "WANDB_DATA_DIR": str(tmp_path / "wd"), "WANDB_DISABLE_GIT": "true"}.items():
         monkeypatch.setenv(var, value)
-    return tmp_path / "run"
+    import wandb
+
+    wandb.teardown()  # W&B reads its environment once per process, at setup: each test gets its own
+    yield tmp_path / "run"
+    wandb.teardown()
 
 
 @pytest.fixture
@@ -232,6 +236,9 @@ def _wandb_history(run_dir):
 def test_wandb_offline_run_holds_every_step_value_and_the_config(wandb_offline):
     with MetricsLogger(None, backends=("wandb",), project="proj", experiment="exp", wandb_dir=str(wandb_offline),
                        config=CONFIG) as logger:
+        (sink,) = logger._sinks
+        # W&B's 30 s for its service to start failed this test once on a loaded machine: the sink gives 300 s
+        assert sink._run.settings.x_service_wait == WANDB_SERVICE_WAIT_S == 300
         for step, metrics in STEPS.items():
             logger.log(metrics, step=step)
     history = _wandb_history(wandb_offline)
@@ -241,6 +248,13 @@ def test_wandb_offline_run_holds_every_step_value_and_the_config(wandb_offline):
     assert (run.project, run.display_name) == ("proj", "exp")
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert config["actor"] == CONFIG["actor"] and config["trainer"] == CONFIG["trainer"]
+
+
+def test_wandb_service_wait_set_by_the_user_rules(wandb_offline, monkeypatch):
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "45")
+    with MetricsLogger(None, backends=("wandb",), project="proj", wandb_dir=str(wandb_offline)) as logger:
+        (sink,) = logger._sinks
+        assert sink._run.settings.x_service_wait == 45
 
 
 def _mlflow_history(names):
