@@ -23,6 +23,7 @@ before manifests existed are accepted with a warning.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.trainer import faults
@@ -143,12 +145,15 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "model"))
     _barrier()
-    dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"))
-    faults.maybe_crash("checkpoint_write", step)
-    if is_rank0:
-        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
-    _barrier()
-    write_manifest(tmp, is_rank0=is_rank0)
+    try:
+        dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"))
+        faults.maybe_crash("checkpoint_write", step)
+        if is_rank0:
+            torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+        _barrier()
+        write_manifest(tmp, is_rank0=is_rank0)
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        raise _write_failed(exc, root, tmp) from exc
     _barrier()
     if is_rank0:
         shutil.rmtree(final, ignore_errors=True)
@@ -157,6 +162,51 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
         _prune(root, keep, written=step)
     _barrier()
     return final
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message names the directory and, for a full disk, says so
+    (`disk_full`)."""
+
+    def __init__(self, message: str, *, disk_full: bool):
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+_FULL_BYTES = 64 * 2**20  # a filesystem with less free space than this after a failed write is full
+
+
+def _write_failed(exc: BaseException, root: str, tmp: str) -> CheckpointWriteError:
+    """The error for a save that failed: its torn directory is removed (the last good checkpoint stays the
+    newest), and a full disk is named as such. Megatron's shard writers report one only as a short write
+    ("unexpected pos ..."), so besides ENOSPC / EDQUOT anywhere in the chain, the free space decides."""
+    free = shutil.disk_usage(root).free
+    chain, cause = [], exc
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    full = free < _FULL_BYTES or any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    shutil.rmtree(tmp, ignore_errors=True)
+    marker = os.path.join(root, LATEST)
+    last = open(marker).read().strip() if os.path.isfile(marker) else None
+    last = f"global_step_{last}" if last else "none"
+    said = ([line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__])[-1]
+    what = f"No space left on device ({free / 2**20:.1f} MiB free)" if full else f"{type(exc).__name__}: {said}"
+    return CheckpointWriteError(f"writing checkpoint {tmp}: {what}; the incomplete directory was removed, the last "
+                                f"good checkpoint is {last}" + (f" (the writer said: {said})" if full else ""),
+                                disk_full=full)
+
+
+def remove_torn(root: str) -> list[str]:
+    """Remove the tmp_global_step_* directories of saves that never completed (a crash or kill mid-save);
+    returns them. Rank 0, before a run writes its own."""
+    if not os.path.isdir(root):
+        return []
+    torn = sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("tmp_global_step_"))
+    for path in torn:
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s, left by a save that did not complete", path)
+    return torn
 
 
 def _prune(root: str, keep: int, *, written: int) -> None:

@@ -391,6 +391,8 @@ class DAPOTrainer:
 
     def _restore(self) -> None:
         mode, root = self.cfg.trainer.resume_mode, self.cfg.ckpt_dir
+        if self.is_rank0:
+            ckpt.remove_torn(root)
         if mode == "disable":
             return
         path = None
