@@ -110,6 +110,9 @@ def _check_queue(cfg: Config) -> None:
         raise ConfigError("queue.enable", f"the queue trainer generates with rollout.engine=local only, got "
                           f"{cfg.rollout.engine!r}: its weight pushes do not reach SGLang servers yet, which would "
                           "generate with a stale policy; use the sync trainer (queue.enable=false) with SGLang")
+    if cfg.trainer.async_save:
+        raise ConfigError("trainer.async_save", "the queue trainer saves synchronously (its queue and checkpoint are "
+                          "committed together); set trainer.async_save=false or use the sync trainer")
     if cfg.trainer.total_training_steps % q.parameter_sync_step:
         raise ConfigError("queue.parameter_sync_step", f"expected a divisor of trainer.total_training_steps "
                           f"({cfg.trainer.total_training_steps}: checkpoints fall on weight syncs), got "

@@ -537,6 +537,8 @@ class TrainerConfig:
     """Exit code after a stop signal's checkpoint (75 = EX_TEMPFAIL); the SLURM script requeues the job on it and the requeued job resumes (resume_mode=auto)."""
     max_ckpt_to_keep: int = 2
     """Checkpoints kept (older ones deleted). [recipe: trainer.max_actor_ckpt_to_keep]"""
+    async_save: bool = False
+    """Write the model and optimizer shards of a checkpoint in a background process while training goes on (Megatron's asynchronous save); the checkpoint is completed (manifest, rename, `latest`) at a later step's end once every rank's writer is done, before the next save, and at once at the last step or a stop signal. Until then the previous checkpoint is the last good one. Costs host memory for the staged shards. Sync trainer only."""
     rollout_data_dir: str = ""
     """Write each step's prompts, responses and scores as JSON lines here; empty = off. [recipe: trainer.rollout_data_dir]"""
     critic_warmup: int = 0

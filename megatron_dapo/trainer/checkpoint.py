@@ -134,8 +134,11 @@ def _writer_queue_dies_with_us() -> None:
     fa._results_manager = manager  # keeps the Manager object (and so its process) alive with the queue
 
 
-def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool) -> str:
-    """Write checkpoint `step` atomically; returns its directory."""
+def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool,
+                    background: bool = False) -> str | PendingSave:
+    """Write checkpoint `step` atomically; returns its directory. With `background` (trainer.async_save) the
+    model and optimizer shards are written by a helper process while training goes on, and a PendingSave
+    is returned: its `finish()` (a collective) completes the checkpoint (see PendingSave)."""
     from megatron.core import dist_checkpointing
 
     _writer_queue_dies_with_us()
@@ -145,23 +148,123 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "model"))
     _barrier()
+    pending = PendingSave(root, step, keep=keep, is_rank0=is_rank0)
     try:
-        dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"))
-        faults.maybe_crash("checkpoint_write", step)
+        request = dist_checkpointing.save(_sharded_state_dict(actor), os.path.join(tmp, "model"),
+                                          async_sharded_save=background)
         if is_rank0:
             torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
-        _barrier()
-        write_manifest(tmp, is_rank0=is_rank0)
+        if background:
+            pending.start(request)
+            return pending
+        faults.maybe_crash("checkpoint_write", step)
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        pending.abandon()
         raise _write_failed(exc, root, tmp) from exc
-    _barrier()
-    if is_rank0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, LATEST), str(step))
-        _prune(root, keep, written=step)
-    _barrier()
+    pending.complete()
     return final
+
+
+def _write_in_background(fn, args, kwargs, files: list[str], directory: str, digests) -> None:
+    """The helper process of an asynchronous save: it dies with the trainer, writes the shards, then hashes
+    the files it wrote for the manifest (sent on `digests`, so the trainer does not hash them while it
+    waits); a failure is its exit code."""
+    _die_with_parent()
+    try:
+        fn(*args, **kwargs)
+        digests.send({os.path.relpath(f, directory): _entry(f) for f in files})
+    except BaseException:  # noqa: BLE001 - reported to the trainer as the exit code; the trace goes to stderr
+        log.exception("checkpoint writer failed")
+        os._exit(1)
+    os._exit(0)
+
+
+class PendingSave:
+    """A checkpoint in `tmp_global_step_<k>` whose shards a helper process is writing (trainer.async_save).
+
+    Training goes on meanwhile: the helper was forked once the shards were staged in host memory (a copy
+    from the GPU, or on CPU the fork's copy-on-write snapshot), so later optimizer steps do not reach it.
+    `done()` asks every rank whether its helper has ended (a collective); `finish()` (a collective) waits
+    for the helpers, then does what a synchronous save does after the shards: Megatron's metadata, the
+    manifest, the rename and the `latest` file. Until then the previous checkpoint is the last good one; a
+    crash leaves the torn directory, which the next start removes (`remove_torn`).
+    """
+
+    def __init__(self, root: str, step: int, *, keep: int, is_rank0: bool):
+        self.root, self.step, self.keep, self.is_rank0 = root, step, keep, is_rank0
+        self.final, self.tmp = step_dir(root, step), os.path.join(root, f"tmp_global_step_{step}")
+        self._process = None
+        self._finalize_fns: list = []
+        self._digests = None  # the helper's end of a pipe: the digests of the files it wrote
+        self._known: dict = {}
+
+    def start(self, request) -> None:
+        import multiprocessing as mp
+
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:  # stage the shards in host memory before the fork
+            args[1] = request.preload_fn()
+        self._finalize_fns = list(request.finalize_fns)
+        if request.async_fn is not None:
+            files = [bucket[0] for bucket in args[1]]  # Megatron's write buckets: (path, name, data)
+            ctx = mp.get_context("fork")
+            self._digests, sender = ctx.Pipe(duplex=False)
+            self._process = ctx.Process(target=_write_in_background, daemon=False,
+                                        args=(request.async_fn, args, request.async_fn_kwargs, files, self.tmp,
+                                              sender))
+            self._process.start()
+            sender.close()
+
+    def done(self) -> bool:
+        """Whether every rank's helper has ended (a collective: every rank calls it at the same point)."""
+        local = self._process is None or not self._process.is_alive()
+        return all(_gather(local))
+
+    def finish(self) -> str:
+        """Wait for the helpers and complete the checkpoint (a collective); returns its directory. Raises
+        CheckpointWriteError, after removing the torn directory, when a helper failed."""
+        try:
+            if self._process is not None:
+                self._process.join()
+                if self._process.exitcode != 0:
+                    raise RuntimeError(f"the checkpoint writer process exited with code {self._process.exitcode}")
+                self._known = self._digests.recv()
+                self._digests.close()
+            faults.maybe_crash("checkpoint_write", self.step)
+        except (Exception, CheckpointException) as exc:
+            failed = exc
+        else:
+            failed = None
+        problems = _gather(None if failed is None else f"{type(failed).__name__}: {failed}")
+        if any(problems):
+            exc = failed or RuntimeError(next(p for p in problems if p))
+            self.abandon()
+            raise _write_failed(exc, self.root, self.tmp) from failed
+        return self.complete()
+
+    def complete(self) -> str:
+        """After the shards: Megatron's finalization (metadata), the manifest, the rename, `latest`, pruning."""
+        try:
+            for fn in self._finalize_fns:
+                fn()
+            _barrier()
+            write_manifest(self.tmp, is_rank0=self.is_rank0, known=self._known)
+        except (Exception, CheckpointException) as exc:
+            raise _write_failed(exc, self.root, self.tmp) from exc
+        _barrier()
+        if self.is_rank0:
+            shutil.rmtree(self.final, ignore_errors=True)
+            os.replace(self.tmp, self.final)
+            _atomic_write_text(os.path.join(self.root, LATEST), str(self.step))
+            _prune(self.root, self.keep, written=self.step)
+        _barrier()
+        return self.final
+
+    def abandon(self) -> None:
+        """Stop the helper (a run that fails or is interrupted); the torn directory stays for the next start."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join()
 
 
 class CheckpointWriteError(RuntimeError):
@@ -309,12 +412,17 @@ def _gather(obj) -> list:
     return out
 
 
-def write_manifest(directory: str, *, is_rank0: bool) -> None:
-    """Hash the directory's files (shared over the ranks: a collective) and write manifest.json on rank 0."""
+def _entry(path: str) -> dict:
+    return {"size": os.path.getsize(path), HASH: _digest(path)}
+
+
+def write_manifest(directory: str, *, is_rank0: bool, known: dict | None = None) -> None:
+    """Hash the directory's files (shared over the ranks: a collective) and write manifest.json on rank 0.
+    `known`: entries this rank already has (an asynchronous save's writer hashed what it wrote)."""
     rank, world = _rank_world()
-    files = _files(directory)
-    mine = {f: {"size": os.path.getsize(os.path.join(directory, f)), HASH: _digest(os.path.join(directory, f))}
-            for f in files[rank::world]}
+    known = dict(known or {})
+    files = [f for f in _files(directory) if f not in known]
+    mine = {**known, **{f: _entry(os.path.join(directory, f)) for f in files[rank::world]}}
     entries = {}
     for part in _gather(mine):
         entries.update(part)

@@ -106,6 +106,7 @@ class DAPOTrainer:
                                   pad_id=parts.tokenizer.pad_id)
         self.loss_history: list[tuple[int, float]] = []
         self._saved_step: int | None = None  # the step of the checkpoint this process last wrote or read
+        self._pending_save: ckpt.PendingSave | None = None  # trainer.async_save: shards still being written
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
@@ -122,8 +123,12 @@ class DAPOTrainer:
         self.watch = PreemptionWatch(self.cfg.trainer.exit_signals, group=self.p.pgs.ctrl,
                                      world_size=self.p.pgs.world_size)
         try:
-            return self._fit()
+            out = self._fit()
+            self._finish_save()
+            return out
         finally:
+            if self._pending_save is not None:  # failed or interrupted: the torn directory stays for the next start
+                self._pending_save.abandon()
             self.watch.close()
 
     def _stop_if_signalled(self, *, saved: bool) -> None:
@@ -134,6 +139,7 @@ class DAPOTrainer:
             return
         if not saved and self.global_step > 0 and self._saved_step != self.global_step:
             self._save()
+        self._finish_save()
         raise Preempted(name, self.global_step)
 
     def _fit(self) -> dict[str, float]:
@@ -159,6 +165,7 @@ class DAPOTrainer:
             if self._val_enabled() and (step % cfg.trainer.test_freq == 0 or last):
                 metrics.update(self._validate())
             self._log(metrics, step)
+            self._finish_save(block=False)  # an asynchronous save whose writers are done completes here
             saved = cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0) or last
             if saved:
                 self._save()
@@ -372,10 +379,24 @@ class DAPOTrainer:
                 "optimizer_stepped": ckpt.optimizer_has_state(self.p.actor.optimizer)}
 
     def _save(self) -> None:
+        """A checkpoint of the step reached; with trainer.async_save its shards are written in the background
+        (a save still in flight completes first)."""
+        self._finish_save()
         self._saved_step = self.global_step
-        ckpt.save_checkpoint(self.cfg.ckpt_dir, self.global_step, actor=self.p.actor,
-                             trainer_state=self._trainer_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
-                             is_rank0=self.is_rank0)
+        out = ckpt.save_checkpoint(self.cfg.ckpt_dir, self.global_step, actor=self.p.actor,
+                                   trainer_state=self._trainer_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
+                                   is_rank0=self.is_rank0, background=self.cfg.trainer.async_save)
+        if isinstance(out, ckpt.PendingSave):
+            self._pending_save = out
+
+    def _finish_save(self, *, block: bool = True) -> None:
+        """Complete the asynchronous save in flight: at once (block), or only if every rank's writer is done
+        (a collective either way)."""
+        pending = self._pending_save
+        if pending is None or not (block or pending.done()):
+            return
+        self._pending_save = None
+        pending.finish()
 
     def _save_inflight(self, step: int) -> None:
         if self.is_rank0:

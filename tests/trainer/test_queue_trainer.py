@@ -396,7 +396,8 @@ def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_und
     (["rollout.engine=sglang", "model.hf_path=/nonexistent"],
      r"queue.enable: the queue trainer generates with rollout.engine=local only, got 'sglang': its weight pushes do "
      r"not reach SGLang servers"),
-], ids=["sync-step", "world", "sglang"])
+    (["trainer.async_save=true"], r"trainer.async_save: the queue trainer saves synchronously"),
+], ids=["sync-step", "world", "sglang", "async-save"])
 def test_what_the_queue_trainer_does_not_run_is_refused_at_load_naming_the_key(tmp_path, extra, error):
     """Refused by the configuration, before any model is built or server started (with SGLang the servers
     would otherwise generate at weight version 0 while the actor moves on)."""
