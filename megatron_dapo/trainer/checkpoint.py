@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -165,11 +166,14 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
     return final
 
 
-def _write_in_background(fn, args, kwargs, files: list[str], directory: str, digests) -> None:
+def _write_in_background(fn, args, kwargs, files: list[str], directory: str, digests, step: int) -> None:
     """The helper process of an asynchronous save: it dies with the trainer, writes the shards, then hashes
     the files it wrote for the manifest (sent on `digests`, so the trainer does not hash them while it
     waits); a failure is its exit code."""
     _die_with_parent()
+    if faults.armed("background_write", step):  # the trainer dies mid-save: so must this process, at once
+        os.kill(os.getppid(), 9)
+        time.sleep(60)
     try:
         fn(*args, **kwargs)
         digests.send({os.path.relpath(f, directory): _entry(f) for f in files})
@@ -211,7 +215,7 @@ class PendingSave:
             self._digests, sender = ctx.Pipe(duplex=False)
             self._process = ctx.Process(target=_write_in_background, daemon=False,
                                         args=(request.async_fn, args, request.async_fn_kwargs, files, self.tmp,
-                                              sender))
+                                              sender, self.step))
             self._process.start()
             sender.close()
 

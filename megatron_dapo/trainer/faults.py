@@ -25,6 +25,9 @@ Named points (`step` is the trainer step the work belongs to):
     after_commit          queue trainer: the step's prompts are consumed, before the checkpoint
     checkpoint_write      inside save_checkpoint: the model shards are written into
                           tmp_global_step_<k>, the rename to global_step_<k> has not happened
+                          (trainer.async_save: when the save is completed, after its writer ended)
+    background_write      trainer.async_save: in the writer process, before it writes; it SIGKILLs
+                          the trainer (its parent), as a trainer lost in the middle of a background save
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SIGNAL_ENV = "MEGATRON_DAPO_FAULT_SIGNAL"
 RANK_ENV = "MEGATRON_DAPO_FAULT_RANK"
 
 POINTS = ("generation", "producer_generation", "after_reward", "after_old_log_prob", "update_actor",
-          "after_update_actor", "after_commit", "checkpoint_write")
+          "after_update_actor", "after_commit", "checkpoint_write", "background_write")
 
 
 def parse_spec(text: str) -> set[tuple[str, int]]:

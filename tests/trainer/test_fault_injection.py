@@ -267,3 +267,12 @@ def test_a_trainer_killed_mid_save_leaves_no_checkpoint_writer_behind(tmp_path):
     crashed = _launch(tmp_path, "queue.enable=false", fault="checkpoint_write:2")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-4000:]
     assert crashed.orphans == []
+
+
+def test_a_trainer_killed_during_a_background_save_leaves_no_writer_behind(tmp_path):
+    """trainer.async_save: the writer process is started with PR_SET_PDEATHSIG too; the trainer is
+    SIGKILLed while it writes (it kills its parent), and it must not stay behind writing."""
+    crashed = _launch(tmp_path, "queue.enable=false", "trainer.async_save=true", fault="background_write:2")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-4000:]
+    assert crashed.orphans == []
+    assert (tmp_path / "f/ckpt/tmp_global_step_2").is_dir() and not (tmp_path / "f/ckpt/global_step_2").exists()
