@@ -7,8 +7,11 @@
 #
 # NPROC: ranks on this node; default the number of GPUs `nvidia-smi -L` lists, or 1 without GPUs.
 # It also sets trainer.nnodes=1 and trainer.n_gpus_per_node=NPROC, so the config always matches
-# the launch (passing those two keys yourself is an error). TORCHRUN picks the launcher
-# (default: torchrun on PATH). Also DRY_RUN=1 for --dry-run.
+# the launch (passing those two keys yourself is an error). TORCHRUN picks the launcher (default:
+# `python -m megatron_dapo.torchrun`, torchrun whose stores listen on the address they are given, here
+# loopback; PYTHON picks the interpreter). Every socket of the run listens on loopback: the stores, and the
+# ranks' gloo / NCCL bootstrap sockets (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME default to lo).
+# Also DRY_RUN=1 for --dry-run.
 set -euo pipefail
 
 die() { echo "torchrun.sh: $*" >&2; exit 2; }
@@ -32,9 +35,11 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "NPROC must be a positive integer, got '$NPROC'"
 
+if [[ -n "${TORCHRUN:-}" ]]; then launcher=("$TORCHRUN"); else launcher=("${PYTHON:-python}" -m megatron_dapo.torchrun); fi
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 # The overrides go after the user's arguments: `--config X k=v` stays one option plus positionals.
-cmd=("${TORCHRUN:-torchrun}" --standalone --nnodes=1 --nproc_per_node="$NPROC" -m megatron_dapo.train
-     "${ARGS[@]}" trainer.nnodes=1 trainer.n_gpus_per_node="$NPROC")
+cmd=("${launcher[@]}" --standalone --local-addr=127.0.0.1 --nnodes=1 --nproc_per_node="$NPROC"
+     -m megatron_dapo.train "${ARGS[@]}" trainer.nnodes=1 trainer.n_gpus_per_node="$NPROC")
 if [[ "$DRY_RUN" == 1 ]]; then
     printf '%q ' "${cmd[@]}"
     echo

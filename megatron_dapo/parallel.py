@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -120,16 +121,27 @@ def validate_parallel_sizes(world_size: int, tp: int = 1, pp: int = 1, ep: int =
     return dp, world_size // (etp * ep * pp)
 
 
+def listen_on(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket bound to the address `host` resolves to, not to every interface. A taken port
+    raises RuntimeError("Address already in use"), as torch's own store does."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError("Address already in use" if exc.errno == errno.EADDRINUSE else str(exc)) from exc
+    return sock
+
+
 def bound_tcp_store(host: str, world_size: int, *, timeout: datetime.timedelta,
                     wait_for_workers: bool = True) -> dist.TCPStore:
     """A TCPStore server that listens on `host` only, on a free port (`store.port`). Given just a port,
     torch's store listens on every interface, where anyone on the network could read and write the
     rendezvous keys; here it gets a socket already bound to `host` (master_listen_fd)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(socket.SOMAXCONN)
+    sock = listen_on(host)
     port = sock.getsockname()[1]
     return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
                          master_listen_fd=sock.detach())  # the store owns the descriptor from here

@@ -40,9 +40,10 @@ node=""
 for a in "$@"; do [[ "$a" == --nodelist=* ]] && node=${a#--nodelist=}; done
 while [[ "$1" == --* ]]; do shift; done
 echo "srun on $node: $*" >>"$FAKE_RECORD"
-echo "output of $1 on $node"
+prog=$1; [[ " $* " == *" megatron_dapo.torchrun "* ]] && prog=torchrun
+echo "output of $prog on $node"
 if [[ " $* " == *" --block "* ]]; then exec sleep 60; fi
-if [[ "$1" == torchrun ]]; then sleep "${FAKE_TRAINER_SLEEP:-0}"; fi
+if [[ "$prog" == torchrun ]]; then sleep "${FAKE_TRAINER_SLEEP:-0}"; fi
 rc_var="FAKE_TRAINER_RC_${node//-/_}"
 exit "${!rc_var:-0}"
 """
@@ -127,8 +128,8 @@ def test_dry_run_trainer_per_node_is_torchrun_c10d_on_the_head(fake_bin, tmp_pat
     assert [(i, n) for i, n, _, _ in cmds["trainer"]] == list(enumerate(NODES))
     for _, node, argv, log in cmds["trainer"]:
         assert argv[:1] == ["srun"] and f"--nodelist={node}" in argv and "--cpus-per-task=96" in argv
-        assert argv[argv.index("torchrun"):] == [
-            "torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        assert argv[argv.index("megatron_dapo.torchrun") - 1:] == [
+            "-m", "megatron_dapo.torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
             f"--rdzv_endpoint={HEAD_IP}:29500", "--rdzv_id=777", "--max_restarts=0", "-m", "megatron_dapo.train",
             "--config", "configs/dapo_qwen2.5_32b.yaml", "trainer.nnodes=16", "trainer.n_gpus_per_node=8",
             "actor.lr=2e-6", "trainer.save_freq=5"]
@@ -175,7 +176,7 @@ def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_
                                    "--disable-usage-stats --block" for n in nodes[1:]]
     assert record[4] == f"python 3 nodes at {HEAD_IP}:6379"
     assert sorted(r.split(":")[0] for r in record[5:]) == [f"srun on {n}" for n in nodes]
-    assert all(" torchrun --nnodes=3 " in r and r.endswith("trainer.n_gpus_per_node=8 x.y=1") for r in record[5:])
+    assert all(" -m megatron_dapo.torchrun --nnodes=3 " in r and r.endswith("trainer.n_gpus_per_node=8 x.y=1") for r in record[5:])
     for node in nodes:
         log = (tmp_path / "logs" / "777" / f"node-{node}.log").read_text()
         assert f"output of torchrun on {node}" in log and f"output of ray on {node}" in log
@@ -202,7 +203,7 @@ def test_usr1_before_the_time_limit_is_forwarded_to_every_nodes_trainer_ranks_an
                             stderr=subprocess.STDOUT, text=True)
     record = tmp_path / "record.txt"
     deadline = time.monotonic() + 30
-    while not (record.exists() and record.read_text().count(" torchrun ") == 3):
+    while not (record.exists() and record.read_text().count(" megatron_dapo.torchrun ") == 3):
         assert time.monotonic() < deadline and proc.poll() is None, "the trainer steps did not start"
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
@@ -249,8 +250,8 @@ def test_make_dry_run_without_slurm_previews_the_headers_16_nodes(target, recipe
     assert [n for _, n, _, _ in cmds["ray-worker"]] == MADE_UP[1:]
     assert [n for _, n, _, _ in cmds["trainer"]] == MADE_UP
     for _, node, argv, log in cmds["trainer"]:
-        assert argv[argv.index("torchrun"):] == [
-            "torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        assert argv[argv.index("megatron_dapo.torchrun") - 1:] == [
+            "-m", "megatron_dapo.torchrun", "--nnodes=16", "--nproc_per_node=8", "--rdzv_backend=c10d",
             "--rdzv_endpoint=192.0.2.1:29500", "--rdzv_id=dryrun", "--max_restarts=0", "-m", "megatron_dapo.train",
             "--config", recipe, "trainer.nnodes=16", "trainer.n_gpus_per_node=8", "actor.lr=2e-6"]
         assert log == f"logs/dryrun/node-{node}.log"
