@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -52,6 +53,8 @@ from megatron_dapo.models.weights import (
 )
 
 _DTYPES = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+log = logging.getLogger(__name__)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -138,16 +141,25 @@ def is_trainer_checkpoint(path: str) -> bool:
 
 
 def resolve_step_dir(path: str) -> str:
-    """`ckpt/global_step_<k>` as given, or the latest step of a `ckpt/` directory."""
-    from megatron_dapo.trainer.checkpoint import latest_step, step_dir
+    """`ckpt/global_step_<k>` as given, or the newest step of a `ckpt/` directory that verifies against its
+    manifest; a given step directory must verify. Either way before anything in it is unpickled (torch's
+    distributed checkpoint reads `model/.metadata` with pickle): a file that differs from the manifest is
+    refused, naming it (CheckpointCorrupt)."""
+    from megatron_dapo.trainer.checkpoint import CheckpointCorrupt, newest_verified, verify_checkpoint
 
     if os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        problem = verify_checkpoint(path)
+        if problem == "no manifest":
+            log.warning("%s has no manifest (written before checkpoints carried one): loading without verifying",
+                        path)
+        elif problem is not None:
+            raise CheckpointCorrupt(f"{path}: {problem}")
         return path
-    step = latest_step(path)
+    step = newest_verified(path) if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")) else None
     if step is None:
         raise FileNotFoundError(f"{path}: neither a global_step_<k> directory ({TRAINER_STATE}) nor a checkpoint "
                                 "root with latest_checkpointed_iteration.txt")
-    return step_dir(path, step)
+    return step
 
 
 def find_run_config(step_dir: str) -> str:
@@ -240,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.trainer.checkpoint import CheckpointCorrupt
+
     args = _parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"--mcore {args.mcore} is not an mcore checkpoint ({MCORE_METADATA}) nor a "
                                     f"trainer checkpoint ({TRAINER_STATE}, or a ckpt/ directory with "
                                     "latest_checkpointed_iteration.txt)")
-    except (ValueError, FileNotFoundError, KeyError) as err:
+    except (ValueError, FileNotFoundError, KeyError, CheckpointCorrupt) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}")

@@ -97,6 +97,34 @@ def test_eval_reads_the_trainer_checkpoint_and_its_export_alike(dense, tmp_path,
 
 
 @pytest.mark.slow
+class _Payload:
+    """Unpickling this runs `open(<path>, "w")`: what a crafted `.metadata` could do."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("given", ["step", "root"])
+def test_a_tampered_checkpoint_is_refused_before_anything_in_it_is_unpickled(dense, tmp_path, capsys, given):
+    """torch's distributed checkpoint reads model/.metadata with pickle: export (and eval, through the same
+    loader) check the manifest first, so a replaced .metadata is named and never unpickled."""
+    import pickle
+    import shutil
+
+    run = tmp_path / "runs/exp"
+    shutil.copytree(dense / "runs/exp", run)
+    marker = tmp_path / "PWNED"
+    (run / "ckpt/global_step_3/model/.metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    source = run / "ckpt/global_step_3" if given == "step" else run / "ckpt"
+    assert convert.main(["mcore-to-hf", "--mcore", str(source), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert f"{run}/ckpt/global_step_3/model/.metadata has " in err and "the manifest" in err, err
+    assert not marker.exists()
+
+
 def test_moe_tp2_ep2_checkpoint_exports_to_hf_with_the_trainers_logits(moe, tmp_path, capsys):
     _export(moe / "runs/exp/ckpt/global_step_3", tmp_path / "hf", capsys)
     _check_export_matches_trainer(moe, tmp_path / "hf", "qwen3_moe")
