@@ -1,0 +1,1 @@
+../../kernels/clipped_loss.py
