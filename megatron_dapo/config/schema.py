@@ -12,6 +12,7 @@ Each section validates itself in `__post_init__`; checks that span sections live
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -395,6 +396,14 @@ class RolloutConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    path: str = ""
+    """A Python file holding a reward function of your own (verl's signature: data_source, solution_str, ground_truth, extra_info -> a float or a dict with 'score'); it replaces reward.function. Runs in the reward workers with reward.timeout_s and reward.on_error. Empty = off. [recipe: custom_reward_function.path]"""
+    name: str = "compute_score"
+    """The function's name in that file. [recipe: custom_reward_function.name]"""
+
+
+@dataclass
 class OverlongBufferConfig:
     enable: bool = True
     """Soft overlong punishment: a linear penalty over the last `len` tokens before the limit. [recipe: reward_model.overlong_buffer.enable]"""
@@ -415,6 +424,8 @@ class RewardConfig:
     """Reward function; auto = arithmetic for data.task=arithmetic, math_dapo for files. math_dapo scores exactly as verl's math_dapo (+-1); math_dapo_plus normalises answers as a grader would (+-1); math_verify compares answers symbolically with Math-Verify (0/1, as verl's math_verify). [recipe: reward_model.reward_manager=dapo]"""
     strict_box_verify: bool = False
     """math_dapo, math_dapo_plus: score only the last \\boxed{} of the final 100 characters, compared with the ground truth as written (an error with another reward function)."""
+    custom_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """A reward function of your own, from a Python file (docs/rewards-and-losses.md)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """Overlong reward shaping."""
     overlong_filter: bool = False
@@ -430,6 +441,14 @@ class RewardConfig:
 
     def __post_init__(self):
         _check(self.num_workers >= 1, "reward.num_workers", ">= 1", self.num_workers)
+        c = self.custom_function
+        if c.path:
+            _check(os.path.isfile(c.path), "reward.custom_function.path", "an existing Python file", c.path)
+            _check(self.function == "auto", "reward.function", "auto when reward.custom_function.path is set (the "
+                   "custom function replaces it)", self.function)
+            _check(not self.strict_box_verify, "reward.strict_box_verify", "false with a custom reward function",
+                   self.strict_box_verify)
+            _check(bool(c.name) and c.name.isidentifier(), "reward.custom_function.name", "a Python identifier", c.name)
 
 
 @dataclass

@@ -178,9 +178,10 @@ def _check_result(result: object) -> _Outcome:
     return _Outcome(score=score, acc=bool(acc), pred=result.get("pred"))
 
 
-def _call_checked(score_fn: ScoreFn, solution: str, ground_truth: object) -> _Outcome:
+def _call_checked(score_fn: ScoreFn, solution: str, ground_truth: object, row_info: dict | None = None) -> _Outcome:
+    """`row_info` (data_source, extra_info) goes to functions that take it (`takes_row_info`)."""
     try:
-        result = score_fn(solution, ground_truth)
+        result = score_fn(solution, ground_truth) if row_info is None else score_fn(solution, ground_truth, **row_info)
     except Exception as exc:
         return _Outcome(failure=f"raised {type(exc).__name__}: {exc}", detail=traceback.format_exc())
     return _check_result(result)
@@ -191,7 +192,7 @@ def _call_checked(score_fn: ScoreFn, solution: str, ground_truth: object) -> _Ou
 
 
 def _worker_main(conn, score_fn: ScoreFn) -> None:
-    """Worker loop: receive (row, solution, ground_truth), send back (row, _Outcome); None stops it."""
+    """Worker loop: receive (row, solution, ground_truth, row_info), send back (row, _Outcome); None stops it."""
     # Ctrl-C goes to the whole process group; the parent decides, the workers must not die noisily.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send("ready")  # score_fn is unpickled (its module imported): the call clock may start
@@ -202,8 +203,8 @@ def _worker_main(conn, score_fn: ScoreFn) -> None:
             return
         if task is None:
             return
-        row, solution, ground_truth = task
-        outcome = _call_checked(score_fn, solution, ground_truth)
+        row, solution, ground_truth, row_info = task
+        outcome = _call_checked(score_fn, solution, ground_truth, row_info)
         try:
             conn.send((row, outcome))
         except Exception as exc:  # e.g. a pred that cannot be pickled
@@ -364,8 +365,10 @@ class RewardManager:
         response_lengths: Sequence[int] | torch.Tensor,
         *,
         data_sources: Sequence[str] | None = None,
+        extra_infos: Sequence[Mapping] | None = None,
     ) -> RewardOutput:
-        """Score B decoded responses; ``response_lengths`` are their lengths in tokens."""
+        """Score B decoded responses; ``response_lengths`` are their lengths in tokens. A function that
+        takes them (``takes_row_info``, e.g. a custom one) also gets each row's data_source and extra_info."""
         if self._closed:
             raise RuntimeError("RewardManager.score called after close()")
         batch = len(responses)
@@ -376,14 +379,21 @@ class RewardManager:
         for row, response in enumerate(responses):
             if not isinstance(response, str):
                 raise TypeError(f"responses[{row}] must be a str, got {type(response).__name__}")
+        if extra_infos is not None and len(extra_infos) != batch:
+            raise ValueError(f"extra_infos has {len(extra_infos)} entries, responses has {batch}")
         lengths = self._checked_lengths(response_lengths, batch)
+        row_infos = [None] * batch
+        if getattr(self.score_fn, "takes_row_info", False):
+            row_infos = [{"data_source": data_sources[row] if data_sources is not None else None,
+                          "extra_info": dict(extra_infos[row]) if extra_infos is not None else {}}
+                         for row in range(batch)]
 
         if self.timeout_s > 0:
-            outcomes = self._score_in_workers(responses, ground_truths)
+            outcomes = self._score_in_workers(responses, ground_truths, row_infos)
         else:
             outcomes = [
-                self._settle(row, truth, _call_checked(self.score_fn, response, truth))
-                for row, (response, truth) in enumerate(zip(responses, ground_truths, strict=True))
+                self._settle(row, truth, _call_checked(self.score_fn, response, truth, info))
+                for row, (response, truth, info) in enumerate(zip(responses, ground_truths, row_infos, strict=True))
             ]
 
         failed = [row for row, outcome in enumerate(outcomes) if outcome.failure is not None]
@@ -497,21 +507,23 @@ class RewardManager:
             self._workers[slot] = None
 
     @staticmethod
-    def _has_room(rows: deque, row: int, responses: Sequence[str]) -> bool:
+    def _has_room(rows: deque, row: int, sizes: Sequence[int]) -> bool:
         """Whether `row` may join a worker's queue: always when it is empty, else while the queue stays
         within _WINDOW rows and _WINDOW_CHARS characters (the bytes sent ahead must fit the pipe's buffer,
-        or a send would block the loop that enforces the timeouts)."""
+        or a send would block the loop that enforces the timeouts). sizes: each row's characters."""
         if not rows:
             return True
-        chars = sum(len(responses[r]) + _ROW_OVERHEAD_CHARS for r in rows)
-        return len(rows) < _WINDOW and chars + len(responses[row]) + _ROW_OVERHEAD_CHARS <= _WINDOW_CHARS
+        return len(rows) < _WINDOW and sum(sizes[r] for r in rows) + sizes[row] <= _WINDOW_CHARS
 
-    def _score_in_workers(self, responses: Sequence[str], ground_truths: Sequence) -> list[_Outcome]:
+    def _score_in_workers(self, responses: Sequence[str], ground_truths: Sequence,
+                          row_infos: Sequence[dict | None]) -> list[_Outcome]:
         """Each worker holds up to _WINDOW rows at a time, sent ahead and answered in order, so a batch
         costs one pipe round trip per window rather than per row. The clock of a worker's head row
         starts when the row before it answered (or when it was sent): a call that overruns timeout_s
         has its worker killed, and the rows queued behind it (never started) go back to the front."""
         outcomes: list[_Outcome | None] = [None] * len(responses)
+        sizes = [len(text) + _ROW_OVERHEAD_CHARS + (len(repr(info)) if info else 0)
+                 for text, info in zip(responses, row_infos, strict=True)]
         pending = deque(range(len(responses)))
         flight: dict[int, deque] = {slot: deque() for slot in range(self.num_workers)}  # rows sent, in order
         clock: dict[int, float] = {}  # slot -> when its head row's call started (monotonic)
@@ -530,9 +542,9 @@ class RewardManager:
                 while pending and sent:  # one row per worker in turn: small batches still spread over workers
                     sent = False
                     for slot, rows in flight.items():
-                        if pending and self._has_room(rows, pending[0], responses):
+                        if pending and self._has_room(rows, pending[0], sizes):
                             row = pending.popleft()
-                            self._workers[slot].conn.send((row, responses[row], ground_truths[row]))
+                            self._workers[slot].conn.send((row, responses[row], ground_truths[row], row_infos[row]))
                             if not rows:
                                 clock[slot] = time.monotonic()
                             rows.append(row)

@@ -109,6 +109,7 @@ class QueueTrainer(DAPOTrainer):
         self._seen: set[str] = set()  # done prompts classified by this process
         self._reward_keys: tuple[str, ...] = ()
         self._last_issue: tuple[int, int] | None = None  # (step, generation batch) of the last issued batch
+        self._row_info = getattr(parts.reward_manager.score_fn, "takes_row_info", False)
         sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
         self.producer = Producer(self.queue, parts.engine, sampling=sampling, producer_id="trainer") \
             if self.sync_mode else None
@@ -236,6 +237,8 @@ class QueueTrainer(DAPOTrainer):
         fields = {"prompts": [list(r.prompt_ids) for r in records], "raw_prompt": [r.raw_prompt for r in records],
                   "ground_truth": [r.ground_truth for r in records], "data_source": [r.data_source for r in records],
                   "uid": [r.uid for r in records], "seed": [seed] * len(records)}
+        if self._row_info:  # a custom reward function reads each row's extra_info
+            fields["extra_info"] = [dict(r.extra_info) for r in records]
         with self.queue.transaction():
             self.queue.put(TRAIN, keys, fields, {"global_steps": step})
             self._write_sampler_record(last_issue=(step, k))
@@ -267,11 +270,13 @@ class QueueTrainer(DAPOTrainer):
             return
         tkeys = self._traj_keys(keys)
         t = self.queue.get(TRAIN, tkeys, ["prompts", "responses"])
-        pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "data_source"])
+        pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "data_source",
+                                          *(["extra_info"] if self._row_info else [])])
         rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731 - per prompt -> per trajectory
         texts = [self.p.tokenizer.decode(r.tolist()) for r in t["responses"]]
         lengths = torch.tensor([len(r) for r in t["responses"]], dtype=torch.int64)
-        out = self.p.reward_manager.score(texts, rep(pf["ground_truth"]), lengths, data_sources=rep(pf["data_source"]))
+        out = self.p.reward_manager.score(texts, rep(pf["ground_truth"]), lengths, data_sources=rep(pf["data_source"]),
+                                          extra_infos=rep(pf["extra_info"]) if self._row_info else None)
         self._reward_keys = tuple(out.extra)
         self.queue.put_fields(TRAIN, tkeys, {"rm_scores": out.score.float().tolist(),
                                              "rewards": out.reward.float().tolist(), "response_text": texts,

@@ -358,11 +358,20 @@ def build_reward_manager(cfg: Config):
     from megatron_dapo.rewards.manager import RewardManager, make_reward_fn
 
     r = cfg.reward
-    name = r.function if r.function != "auto" else ("arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")
-    try:
-        score_fn = make_reward_fn(name, strict_box_verify=r.strict_box_verify)
-    except ValueError as e:
-        raise ConfigError("reward.strict_box_verify", str(e)) from None
+    if r.custom_function.path:
+        from megatron_dapo.rewards.custom import CustomRewardError, CustomRewardFn
+
+        score_fn = CustomRewardFn(r.custom_function.path, r.custom_function.name)
+        try:
+            score_fn.load()  # here, once: a file that does not load or define the function stops the start
+        except CustomRewardError as e:
+            raise ConfigError("reward.custom_function", str(e)) from None
+    else:
+        name = r.function if r.function != "auto" else ("arithmetic" if cfg.data.task == "arithmetic" else "math_dapo")
+        try:
+            score_fn = make_reward_fn(name, strict_box_verify=r.strict_box_verify)
+        except ValueError as e:
+            raise ConfigError("reward.strict_box_verify", str(e)) from None
     ob = r.overlong_buffer
     return RewardManager(score_fn, max_response_length=cfg.data.max_response_length,
                          overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
@@ -513,6 +522,9 @@ def run(cfg: Config) -> int:
         trainer = build_trainer(cfg)
     except DatasetError as e:  # a data file or row that cannot be used: one line, like a config error
         print(f"data error: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:  # found while building (a reward file, a checkpoint directory): still one line
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     parts = trainer.p
     from megatron_dapo.trainer.preemption import Preempted

@@ -83,7 +83,8 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     try:
         if mine:
             out = reward_manager.score(texts, [rows[i].ground_truth for i in mine], rollout.response_length[mine],
-                                       data_sources=[rows[i].data_source for i in mine])
+                                       data_sources=[rows[i].data_source for i in mine],
+                                       extra_infos=[rows[i].extra_info for i in mine])
             shard.update(score=out.score.float().tolist(), reward=out.reward.float().tolist(), extra=dict(out.extra))
     except Exception as e:  # noqa: BLE001 - raised on every rank below, never on one rank alone
         if world == 1:
