@@ -64,16 +64,24 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, block: str) -> str:
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:start] + "\n" + block + "\n" + text[end:]
+def replace_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + block + "\n" + text[stop:]
 
 
 def main(argv: list[str]) -> int:
+    """`--write FILE` replaces the CONFIG-TABLE block (docs/configuration.md) or the VERL-TABLE block
+    (docs/migrating-from-verl.md: config/verl.py's table) of FILE; without it, print the key table."""
+    from megatron_dapo.config import verl
+
     if argv[:1] == ["--write"]:
         path = argv[1]
         text = open(path).read()
-        open(path, "w").write(replace_block(text, table()))
+        if verl.BEGIN in text:
+            text = replace_block(text, verl.table(), verl.BEGIN, verl.END)
+        else:
+            text = replace_block(text, table())
+        open(path, "w").write(text)
         return 0
     print(table())
     return 0

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megatron_dapo.config import verl
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.root import Config
 
@@ -32,6 +33,13 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
         keys.append(key)
         if dataclasses.is_dataclass(tp):
             keys.extend(_all_keys(tp, key + "."))
+    return keys
+
+
+def _leaf_keys(cls=Config, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, tp in _field_types(cls).items():
+        keys |= _leaf_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else {prefix + name}
     return keys
 
 
@@ -66,6 +74,8 @@ def _coerce(tp, value, key: str):
         return value
     if origin is list:
         (item_tp,) = typing.get_args(tp)
+        if item_tp is str and isinstance(value, str):  # `trainer.logger=console`: a list of one, as in verl
+            value = [value]
         if not isinstance(value, list | tuple):
             raise ConfigError(key, f"expected a list, got {value!r}")
         return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -131,26 +141,77 @@ def _merge(dst: dict, src: dict) -> dict:
     return dst
 
 
+def _set(out: dict, key: str, value) -> None:
+    node = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, "conflicts with an earlier override of a parent key")
+    node[parts[-1]] = value
+
+
 def _parse_dotlist(items: list[str]) -> dict:
+    """`key=value` overrides as a nested dict; verl's keys (config/verl.py) become ours."""
     out: dict = {}
+    pairs = []
     for item in items:
         if "=" not in item:
             raise ConfigError(item, "expected key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        if not key:
+        if not key.lstrip("+"):
             raise ConfigError(item, "empty key in key=value override")
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(key, f"cannot parse value {text!r}: {e}") from None
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(key, "conflicts with an earlier override of a parent key")
-        node[parts[-1]] = value
+        pairs.append((key, value))
+    for key, value in _from_verl(pairs):
+        _set(out, key, value)
+    return out
+
+
+def _from_verl(pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Our keys as they are; verl's translated (those with no effect dropped, the `last` ones moved to the
+    end); a key that is neither stays, so that the build names it as unknown."""
+    ours = _leaf_keys()
+    kept, last = [], []
+    for key, value in pairs:
+        key = key.lstrip("+")  # Hydra's "add" / "force add" prefixes, as verl's scripts write some keys
+        if verl.lookup(key) is None:  # (an alias may name one of ours: data.train_files takes verl's list of one)
+            if key not in ours and key.split(".")[0] in verl.SECTIONS:
+                close = difflib.get_close_matches(key, list(verl.ALIASES), n=1, cutoff=0.6)
+                hint = f"; verl's {close[0]!r} is" if close else ""
+                raise ConfigError(key, f"not a verl key this project maps{hint} (docs/migrating-from-verl.md)")
+            kept.append((key, value))
+            continue
+        translated = verl.translate(key, value)
+        if translated is not None:
+            (last if translated[2] else kept).append(translated[:2])
+    return kept + last
+
+
+def _flatten_unknown(raw: dict, cls=Config, prefix: str = "") -> list[tuple[str, object]]:
+    """Remove from a recipe's nested dict the keys that are not ours and return them as dotted leaves."""
+    hints = _field_types(cls)
+    out = []
+    for name in list(raw):
+        key, value = prefix + str(name), raw[name]
+        tp = hints.get(name)
+        if tp is not None and dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            out += _flatten_unknown(value, tp, key + ".")
+        elif tp is None:
+            del raw[name]
+            out += _leaves(value, key) if isinstance(value, dict) else [(key, value)]
+    return out
+
+
+def _leaves(tree: dict, prefix: str) -> list[tuple[str, object]]:
+    out = []
+    for name, value in tree.items():
+        key = f"{prefix}.{name}"
+        out += _leaves(value, key) if isinstance(value, dict) and verl.lookup(key) is None else [(key, value)]
     return out
 
 
@@ -202,7 +263,11 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
     """The resolved config: dataclass defaults, then the recipe, then the dotlist overrides."""
     raw: dict = {}
     if config_path:
-        _merge(raw, load_yaml(config_path))
+        recipe = load_yaml(config_path)
+        foreign = _flatten_unknown(recipe)  # verl's nested sections (actor_rollout_ref, reward_model, ...)
+        _merge(raw, recipe)
+        for key, value in _from_verl(foreign):
+            _set(raw, key, value)
     _merge(raw, _parse_dotlist(list(overrides or [])))
     return _build(Config, raw, "")
 
