@@ -7,7 +7,9 @@
 (`.../ckpt/global_step_<k>` written at any TP / PP / EP, or `.../ckpt` for its latest step; the run's
 config.yaml gives the architecture and tokenizer; see `convert.load_trainer_checkpoint`).
 --data is a parquet / jsonl file in the DAPO-Math / AIME layout, or `arithmetic` for the synthetic
-task's validation split. Generation uses the local Megatron engine (or SGLang servers with
+task's validation split. For a trainer checkpoint, the options not given (n, sampling, lengths, the
+arithmetic task's settings, the reward) are the run's own (its rollout.val_kwargs, data.* and reward.*).
+Generation uses the local Megatron engine (or SGLang servers with
 --engine sglang --sglang-url URL). The last line printed is a JSON object of the figures.
 """
 
@@ -47,46 +49,61 @@ def _parse(argv):
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--tokenizer", default=None, help="HF tokenizer dir or builtin:char (default: from the model)")
-    p.add_argument("--n", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--max-tokens", type=int, default=20480)
-    p.add_argument("--max-prompt-length", type=int, default=4096)
+    for flag, tp, default in (("--n", int, 32), ("--temperature", float, 1.0), ("--top-p", float, 0.7),
+                              ("--top-k", int, -1), ("--max-tokens", int, 20480), ("--max-prompt-length", int, 4096)):
+        p.add_argument(flag, type=tp, default=None,
+                       help=f"default: the run's (a trainer checkpoint), else {default}")
     p.add_argument("--k", type=int, nargs="*", default=None, help="pass@k values (default: powers of 2 up to n)")
-    p.add_argument("--reward", choices=("auto", "math_dapo", "arithmetic"), default="auto")
+    p.add_argument("--reward", choices=("auto", "math_dapo", "arithmetic"), default="auto",
+                   help="auto: the run's reward for a trainer checkpoint, else arithmetic for --data arithmetic "
+                        "and math_dapo for files")
     p.add_argument("--engine", choices=("local", "sglang"), default="local")
     p.add_argument("--sglang-url", action="append", default=[])
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
+_DEFAULTS = {"n": 32, "temperature": 1.0, "top_p": 0.7, "top_k": -1, "max_tokens": 20480, "max_prompt_length": 4096}
+
+
 def _load_model(path: str, tokenizer_spec: str | None):
-    """(GPTModel, tokenizer spec, pgs) from an HF directory or a trainer checkpoint."""
+    """(GPTModel, tokenizer spec, pgs, the run's Config or None) from an HF directory or a trainer checkpoint."""
     from megatron_dapo.parallel import init_parallel
 
     pgs = init_parallel()
     if os.path.exists(os.path.join(path, "config.json")):
         from megatron_dapo.models.hf import load_hf_as_mcore
 
-        return load_hf_as_mcore(path, pgs=pgs), tokenizer_spec if tokenizer_spec is not None else path, pgs
+        return load_hf_as_mcore(path, pgs=pgs), tokenizer_spec if tokenizer_spec is not None else path, pgs, None
     from megatron_dapo.convert import is_trainer_checkpoint, load_trainer_checkpoint
 
     if is_trainer_checkpoint(path):
         # Any layout the trainer wrote (TP / PP / EP / VPP): resharded into one process's model.
         loaded = load_trainer_checkpoint(path, backend=None)
         spec = tokenizer_spec if tokenizer_spec is not None else loaded.cfg.data.tokenizer
-        return loaded.model, spec, loaded.pgs
+        return loaded.model, spec, loaded.pgs, loaded.cfg
     raise FileNotFoundError(f"--model {path}: neither an HF directory (config.json) nor a trainer checkpoint "
                             "(trainer_state.pt, or a ckpt/ directory with latest_checkpointed_iteration.txt)")
 
 
-def _dataset(spec: str, tokenizer, max_prompt_length: int):
+def _fill_defaults(args, run) -> None:
+    """Options not given come from the run's config for a trainer checkpoint (its validation sampling,
+    rollout.val_kwargs, and its lengths, which its model was built for), else from _DEFAULTS."""
+    from_run = {} if run is None else {
+        "n": run.rollout.val_kwargs.n, "temperature": run.rollout.val_kwargs.temperature,
+        "top_p": run.rollout.val_kwargs.top_p, "top_k": run.rollout.val_kwargs.top_k,
+        "max_tokens": run.data.max_response_length, "max_prompt_length": run.data.max_prompt_length}
+    for name, default in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, from_run.get(name, default))
+
+
+def _dataset(spec: str, tokenizer, max_prompt_length: int, run=None):
     if spec == "arithmetic":
         from megatron_dapo.config.schema import ArithmeticConfig
         from megatron_dapo.data.arithmetic import make_arithmetic_dataset
 
-        a = ArithmeticConfig()
+        a = run.data.arithmetic if run is not None else ArithmeticConfig()  # the run's task: its digits, operators
         return make_arithmetic_dataset("val", num_samples=a.num_val, seed=a.seed, min_digits=a.min_digits,
                                        max_digits=a.max_digits, operators=a.operators, tokenizer=tokenizer)
     from megatron_dapo.data.dataset import load_prompt_dataset
@@ -100,9 +117,10 @@ def evaluate(args) -> dict[str, float]:
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.trainer import stages
 
-    model, tok_spec, pgs = _load_model(args.model, args.tokenizer)
+    model, tok_spec, pgs, run = _load_model(args.model, args.tokenizer)
+    _fill_defaults(args, run)
     tokenizer = load_tokenizer(tok_spec)
-    data = _dataset(args.data, tokenizer, args.max_prompt_length)
+    data = _dataset(args.data, tokenizer, args.max_prompt_length, run)
     if args.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 
@@ -113,13 +131,20 @@ def evaluate(args) -> dict[str, float]:
         if not args.sglang_url:
             raise SystemExit("--engine sglang needs --sglang-url (one per server)")
         engine = SGLangEngine(args.sglang_url)
-    reward = args.reward if args.reward != "auto" else ("arithmetic" if args.data == "arithmetic" else "math_dapo")
+    if args.reward != "auto":
+        score_fn = get_reward_fn(args.reward)
+    elif run is not None and (run.reward.custom_function.path or run.reward.function != "auto"):
+        from megatron_dapo.trainer.run import build_score_fn
+
+        score_fn = build_score_fn(run)  # the run's own reward (a custom function included)
+    else:
+        score_fn = get_reward_fn("arithmetic" if args.data == "arithmetic" else "math_dapo")
     sampling = SamplingParams(max_new_tokens=args.max_tokens, n=args.n, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, stop_token_ids=(tokenizer.eos_id,), seed=args.seed)
     ks = args.k or [k for k in (2 ** i for i in range(12)) if k <= args.n]
     correct: dict[str, list[bool]] = defaultdict(list)
     records = list(data)
-    with RewardManager(get_reward_fn(reward), max_response_length=args.max_tokens) as rm:
+    with RewardManager(score_fn, max_response_length=args.max_tokens) as rm:
         for start in range(0, len(records), 64):
             chunk = records[start:start + 64]
             rollout = stages.generate(engine, chunk, sampling, group_suffix="eval", pad_id=tokenizer.pad_id,

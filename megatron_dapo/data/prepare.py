@@ -7,8 +7,9 @@ Reads only the files given (no network). Writes, under --out-dir, the names the 
 
 Accepted input layouts, detected per file from its columns:
 - "verl" (the layout the DAPO recipe's files already have): data_source (str), prompt (non-empty
-  list of {role, content} messages), ability (str), reward_model {style (str), ground_truth (str or
-  number)}, extra_info (dict or null; a dict of scalars, e.g. {"index": ...}).
+  list of {role, content} messages), reward_model {ground_truth (str or number), style (str, optional)},
+  and optionally ability (str) and extra_info (dict or null; a dict of scalars, e.g. {"index": ...}):
+  the rows the loader accepts.
 - "problem/answer" (plain question sets, e.g. an AIME table): a problem column (problem, Problem,
   question or Question) and an answer column (answer, Answer); optional id (id, ID). Each row is
   converted with the DAPO prompt template below, data_source "math_dapo" / "aime-2024",
@@ -52,6 +53,7 @@ OUTPUT_NAMES = {"dapo_math": "dapo-math-17k.parquet", "aime": "aime-2024.parquet
 DEFAULT_DATA_SOURCE = {"dapo_math": "math_dapo", "aime": "aime-2024"}
 REPORT_NAME = "prepare_report.json"
 VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+REQUIRED_VERL_COLUMNS = ("data_source", "prompt", "reward_model")  # what the loader needs; the rest optional
 ROLES = ("system", "user", "assistant")
 _PROBLEM_COLUMNS = ("problem", "Problem", "question", "Question")
 _ANSWER_COLUMNS = ("answer", "Answer")
@@ -154,25 +156,27 @@ def _extra_info(value) -> dict | None:
 
 def validate_verl_row(item: dict) -> dict:
     """One row of the verl layout, checked and normalised; raises BadRow naming the field."""
-    missing = [name for name in VERL_COLUMNS if name not in item]
+    missing = [name for name in REQUIRED_VERL_COLUMNS if name not in item]
     if missing:
         raise BadRow(missing[0], "missing")
     reward_model = item["reward_model"]
     if not isinstance(reward_model, dict):
         raise BadRow("reward_model",
                      f"expected a {{style, ground_truth}} dict, got {type(reward_model).__name__}")
-    for key in ("style", "ground_truth"):
-        if reward_model.get(key) is None:
-            raise BadRow(f"reward_model.{key}", "missing")
+    if reward_model.get("ground_truth") is None:
+        raise BadRow("reward_model.ground_truth", "missing")
+    # ability, reward_model.style and extra_info are optional, as for the loader (which reads none of the first
+    # two): absent, they are written as verl's files have them for math ("MATH", "rule") and null.
+    ability, style = item.get("ability"), reward_model.get("style")
     return {
         "data_source": _text(item["data_source"], "data_source"),
         "prompt": _messages(item["prompt"]),
-        "ability": _text(item["ability"], "ability"),
+        "ability": "MATH" if ability is None else _text(ability, "ability"),
         "reward_model": {
-            "style": _text(reward_model["style"], "reward_model.style"),
+            "style": "rule" if style is None else _text(style, "reward_model.style"),
             "ground_truth": _answer_text(reward_model["ground_truth"], "reward_model.ground_truth"),
         },
-        "extra_info": _extra_info(item["extra_info"]),
+        "extra_info": _extra_info(item.get("extra_info")),
     }
 
 

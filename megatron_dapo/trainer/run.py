@@ -355,7 +355,20 @@ def _session_hook(engine):
 
 def build_reward_manager(cfg: Config):
     """The reward manager from reward.* (every field passed by keyword; auto picks by data.task)."""
-    from megatron_dapo.rewards.manager import RewardManager, make_reward_fn
+    from megatron_dapo.rewards.manager import RewardManager
+
+    r, score_fn = cfg.reward, build_score_fn(cfg)
+    ob = r.overlong_buffer
+    return RewardManager(score_fn, max_response_length=cfg.data.max_response_length,
+                         overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
+                         overlong_penalty_factor=ob.penalty_factor, on_error=r.on_error,
+                         error_score=r.error_score, timeout_s=r.timeout_s, num_workers=r.num_workers)
+
+
+def build_score_fn(cfg: Config):
+    """The reward function reward.* names: a custom one (loaded here once, so a file that does not load
+    fails the start), else reward.function (auto picks by data.task)."""
+    from megatron_dapo.rewards.manager import make_reward_fn
 
     r = cfg.reward
     if r.custom_function.path:
@@ -372,11 +385,7 @@ def build_reward_manager(cfg: Config):
             score_fn = make_reward_fn(name, strict_box_verify=r.strict_box_verify)
         except ValueError as e:
             raise ConfigError("reward.strict_box_verify", str(e)) from None
-    ob = r.overlong_buffer
-    return RewardManager(score_fn, max_response_length=cfg.data.max_response_length,
-                         overlong_buffer_enable=ob.enable, overlong_buffer_len=ob.len,
-                         overlong_penalty_factor=ob.penalty_factor, on_error=r.on_error,
-                         error_score=r.error_score, timeout_s=r.timeout_s, num_workers=r.num_workers)
+    return score_fn
 
 
 def build_parts(cfg: Config):
@@ -545,7 +554,7 @@ def run(cfg: Config) -> int:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
         print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")
         first_step, first = trainer.first_val or (None, {})
-        for k, v in sorted(val.items()):
+        for k, v in sorted((k, v) for k, v in val.items() if k.startswith("val/")):  # not verl's duplicates
             since = f"  (step {first_step}: {first[k]:.4f})" if k in first and first_step != trainer.global_step else ""
             print(f"  {k} = {v:.4f}{since}")
         print(f"TensorBoard: tensorboard --logdir {os.path.join(cfg.run_dir, 'tb')} --host 127.0.0.1")

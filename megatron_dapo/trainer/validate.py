@@ -2,7 +2,8 @@
 
 mean@n is the mean accuracy over all n samples of all prompts; pass@n the fraction of prompts with
 at least one correct sample among their n (for n=1 both are the accuracy). The score mean is
-reported too (math_dapo scores are +-1, the arithmetic reward 0/1).
+reported too (math_dapo scores are +-1, the arithmetic reward 0/1). The accuracy's and the score's
+mean@n are also logged under verl's names, `val-core/<source>/acc/mean@n` and `val-aux/<source>/score/mean@n`.
 """
 
 from __future__ import annotations
@@ -44,5 +45,9 @@ def validate(engine, dataset, cfg, *, tokenizer, reward_manager, seed: int, batc
         out[f"val/{source}/acc/mean@{vk.n}"] = sum(accs) / len(accs)
         out[f"val/{source}/acc/pass@{vk.n}"] = sum(passes) / len(passes)
         out[f"val/{source}/score/mean@{vk.n}"] = float(torch.tensor(scores_by_source[source]).mean())
+        # verl's names for the same two means, so a run overlays on verl's curves (its val-core is the
+        # accuracy's mean@n; its best@n and maj@n are bootstrap estimates, not logged here)
+        out[f"val-core/{source}/acc/mean@{vk.n}"] = out[f"val/{source}/acc/mean@{vk.n}"]
+        out[f"val-aux/{source}/score/mean@{vk.n}"] = out[f"val/{source}/score/mean@{vk.n}"]
     out["val/response_length/mean"] = float(sum(lengths) / max(len(lengths), 1))
     return out

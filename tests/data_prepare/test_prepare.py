@@ -125,12 +125,12 @@ def test_both_files_written_under_the_recipe_names(tmp_path):
 
 def test_a_bad_row_in_one_file_blocks_writing_both(tmp_path):
     dapo = _write(tmp_path / "d.parquet", [_row("q", "1", "x")])
-    aime = _write(tmp_path / "a.parquet", [_row("r", "2", "y", ability=None)])
+    aime = _write(tmp_path / "a.parquet", [_row("r", "2", "y", prompt=[])])
     out = tmp_path / "data"
     assert main(["--dapo-math", dapo, "--aime", aime, "--out-dir", str(out)]) == 1
     assert not (out / "dapo-math-17k.parquet").exists() and not (out / "aime-2024.parquet").exists()
     bad = json.loads((out / "prepare_report.json").read_text())["files"][1]["bad_rows"]
-    assert [(b["row"], b["field"]) for b in bad] == [(0, "ability")]
+    assert [(b["row"], b["field"]) for b in bad] == [(0, "prompt")]
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -167,3 +167,25 @@ def test_nested_extra_info_value_is_a_bad_row_naming_the_key(tmp_path):
     assert main(["--dapo-math", src, "--out-dir", str(out)]) == 1
     bad = json.loads((out / "prepare_report.json").read_text())["files"][0]["bad_rows"]
     assert [(b["row"], b["field"]) for b in bad] == [(0, "extra_info.meta")]
+
+
+def test_the_raw_dapo_math_layout_repeats_collapse_and_optional_columns_may_be_absent(tmp_path, capsys):
+    """The published DAPO-Math-17k parquet repeats each problem about 100 times, each copy with its own
+    extra_info.index (1.79M rows for 17.4k problems); verl's AIME file repeats each problem for avg@32. The
+    copies collapse to one row per problem (n does the repeats), and the count is said. A file with only the
+    columns the loader needs (no ability, no reward_model.style, no extra_info) is accepted too."""
+    copies = [_row(f"What is {q}+{q}?", str(2 * q), f"uuid-{q}-{c}") for q in range(3) for c in range(5)]
+    out = tmp_path / "out"
+    assert main(["--dapo-math", _write(tmp_path / "raw.parquet", copies), "--out-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "15 rows read, 0 bad, 12 duplicates dropped" in said, said
+    ds = load_prompt_dataset(str(out / "dapo-math-17k.parquet"), ByteTokenizer(), max_prompt_length=100)
+    assert ds.uids == ["math_dapo-uuid-0-0", "math_dapo-uuid-1-0", "math_dapo-uuid-2-0"]  # the first copy kept
+
+    bare = [{"data_source": "aime-2024", "prompt": [{"role": "user", "content": f"p{i}"}],
+             "reward_model": {"ground_truth": str(i)}} for i in range(4)]
+    assert main(["--aime", _write(tmp_path / "bare.parquet", bare), "--out-dir", str(out)]) == 0
+    rows = pq.read_table(out / "aime-2024.parquet").to_pylist()
+    assert [(r["ability"], r["reward_model"]["style"], r["extra_info"]) for r in rows] == [("MATH", "rule", None)] * 4
+    assert load_prompt_dataset(str(out / "aime-2024.parquet"), ByteTokenizer(), max_prompt_length=100).uids == \
+        [f"aime-2024-{i}" for i in range(4)]

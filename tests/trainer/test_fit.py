@@ -50,6 +50,10 @@ def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path, capsys)
     for name in DESIGN_METRICS:
         assert set(scalars[name]) == {1, 2}, name
     assert "val/arithmetic/acc/mean@4" in scalars and 0 in scalars["val/arithmetic/acc/mean@4"]
+    # verl's names for the same means, at every validation
+    assert scalars["val-core/arithmetic/acc/mean@4"] == scalars["val/arithmetic/acc/mean@4"]
+    assert scalars["val-aux/arithmetic/score/mean@4"] == scalars["val/arithmetic/score/mean@4"]
+    assert "val-core/arithmetic/acc/mean@4" not in summary
     # First-step invariant: the engine's log-probs are the actor's (same weights, fp32).
     assert scalars["rollout_corr/log_prob_abs_diff"][1] < 1e-5
     rows = [json.loads(line) for line in (tmp_path / "dumps/step_1.jsonl").read_text().splitlines()]
