@@ -1,7 +1,8 @@
 # megatron_dapo make targets. `make install && make train` and `make test` are the two set-up
 # commands of the README; everything runs from the repo's own files.
 SHELL := /bin/bash
-PY ?= python3.11
+# The first Python >= 3.11 on PATH, 3.11 preferred (tools/find_python.sh); PY=... chooses another.
+PY ?= $(shell bash tools/find_python.sh 2>/dev/null)
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
@@ -16,7 +17,8 @@ export PYTHONHASHSEED := 0
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH (set PY=...)"; exit 2; }
+	@test -n "$(PY)" || { bash tools/find_python.sh; exit 2; }
+	@command -v $(PY) >/dev/null || { echo "PY=$(PY) is not on PATH"; exit 2; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
