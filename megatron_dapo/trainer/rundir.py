@@ -53,3 +53,19 @@ def release_run_directories() -> None:
     while _held:
         _, fd = _held.popitem()
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def holder(path: str) -> str | None:
+    """Who holds directory `path`'s lock (its lock file's text), or None when no live trainer does. Takes
+    nothing: the preflight asks before a job starts."""
+    lock = os.path.join(path, LOCK_NAME)
+    if not os.path.isfile(lock) or os.path.realpath(lock) in _held:
+        return None
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
+    finally:
+        os.close(fd)  # also drops the shared lock when it was taken
+    return None

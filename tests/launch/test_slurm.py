@@ -49,6 +49,11 @@ exit "${!rc_var:-0}"
 """
 # The wait for Ray: like the real one, it returns once $4 `ray start` steps are up (here: recorded).
 PYTHON = """#!/usr/bin/env bash
+if [[ "$1" == -m && "$2" == megatron_dapo.train ]]; then  # the preflight: recorded, FAKE_CHECK_RC its status
+    echo "preflight: ${*:3}" >>"$FAKE_RECORD"
+    [[ -n "${FAKE_CHECK_RC:-}" ]] && { echo "preflight: data.train_files: data/x.parquet: no such file" >&2; exit "$FAKE_CHECK_RC"; }
+    echo "preflight: ok"; exit 0
+fi
 deadline=$((SECONDS + 10))
 until (( $( { cat "$FAKE_RECORD" 2>/dev/null || true; } | grep -c "ray start") >= $4 )); do
     (( SECONDS < deadline )) || { echo "fake python: no $4 ray nodes" >&2; exit 1; }
@@ -72,7 +77,8 @@ def _run(fake_bin, tmp_path, *args, **env_changes):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RAY_"))}
     env.update(PATH=f"{fake_bin}:{env['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NODELIST=",".join(NODES),
                SLURM_JOB_NUM_NODES="16", SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96",
-               SLURM_SUBMIT_DIR=str(REPO), FAKE_RECORD=str(tmp_path / "record.txt"))
+               SLURM_SUBMIT_DIR=str(REPO), FAKE_RECORD=str(tmp_path / "record.txt"),
+               PYTHON=str(fake_bin / "fake-python"))
     env.update({k: v for k, v in env_changes.items() if v is not None})
     for k in [k for k, v in env_changes.items() if v is None]:
         env.pop(k, None)
@@ -104,7 +110,9 @@ def test_dry_run_prints_every_node_with_rank_rendezvous_and_ray_address(fake_bin
     assert {(h[4], h[5], h[6]) for h in headers} == {("8", f"{HEAD_IP}:29500", f"{HEAD_IP}:6379")}
     assert [h[7] for h in headers] == [f"logs/777/node-{n}.log" for n in NODES]
     assert "0.0.0.0" not in proc.stdout
-    assert not (tmp_path / "record.txt").exists() and not (REPO / "logs" / "777").exists()   # ran nothing
+    # ran nothing but the preflight (a check in this process's files, no job step)
+    record = (tmp_path / "record.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in record] == ["preflight"] and not (REPO / "logs" / "777").exists()
 
 
 def test_dry_run_ray_head_on_first_node_workers_on_the_rest(fake_bin, tmp_path):
@@ -168,8 +176,9 @@ def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_
                 PYTHON=str(fake_bin / "fake-python"), LOG_DIR=str(tmp_path / "logs" / "777"),
                 **{"FAKE_TRAINER_RC_h800_02": "3"})
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    record = (tmp_path / "record.txt").read_text().splitlines()
-    # Order: head, wait for 1 node, workers, wait for all 3, then one trainer per node.
+    preflight, *record = (tmp_path / "record.txt").read_text().splitlines()
+    # Order: the preflight, head, wait for 1 node, workers, wait for all 3, then one trainer per node.
+    assert preflight == "preflight: --config configs/dapo_qwen2.5_32b.yaml trainer.nnodes=3 trainer.n_gpus_per_node=8 x.y=1 --check"
     assert record[0].startswith(f"srun on {nodes[0]}: ray start --head")
     assert record[1] == f"python 1 nodes at {HEAD_IP}:6379"
     assert sorted(record[2:4]) == [f"srun on {n}: ray start --address={HEAD_IP}:6379 --num-gpus=8 "
@@ -236,7 +245,7 @@ MADE_UP = [f"dryrun-node-{i:02d}" for i in range(1, 17)]
 @pytest.mark.parametrize("target, recipe", SBATCH_TARGETS.items())
 def test_make_dry_run_without_slurm_previews_the_headers_16_nodes(target, recipe, tmp_path):
     proc = subprocess.run(["make", "-s", "--no-print-directory", target, "ARGS=actor.lr=2e-6"], cwd=REPO, capture_output=True, text=True,
-                          env=_no_slurm_env(DRY_RUN="1"), timeout=60)
+                          env=_no_slurm_env(DRY_RUN="1", CHECK="0"), timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# dry run outside Slurm: MADE-UP nodes dryrun-node-01 .. dryrun-node-16 and head "
@@ -264,7 +273,7 @@ def test_the_preview_follows_the_scripts_own_header(tmp_path):
         "#SBATCH --gpus-per-node=8", "#SBATCH --gpus-per-node=2")
     script.write_text(text)
     proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=tmp_path, capture_output=True, text=True,
-                          env=_no_slurm_env(REPO_DIR=str(REPO), HEAD_IP="10.1.2.3"), timeout=60)
+                          env=_no_slurm_env(REPO_DIR=str(REPO), HEAD_IP="10.1.2.3", CHECK="0"), timeout=60)
     assert proc.returncode == 0, proc.stderr
     trainers = [line for line in proc.stdout.splitlines() if "] trainer: " in line]
     assert [line.split()[2].rstrip("]") for line in trainers] == MADE_UP[:4]
@@ -276,3 +285,18 @@ def test_without_slurm_a_real_launch_still_refuses(tmp_path):
     proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, capture_output=True, text=True,
                           env=_no_slurm_env(REPO_DIR=str(REPO)), timeout=60)
     assert proc.returncode != 0 and "not inside a Slurm allocation: submit with sbatch (or DRY_RUN=1" in proc.stderr
+
+
+def test_the_preflight_runs_first_in_a_dry_run_and_a_problem_starts_nothing(fake_bin, tmp_path):
+    proc = _run(fake_bin, tmp_path, "--dry-run", "actor.lr=2e-6")
+    assert proc.returncode == 0, proc.stderr
+    record = (tmp_path / "record.txt").read_text().splitlines()
+    assert record[0] == ("preflight: --config configs/dapo_qwen2.5_32b.yaml trainer.nnodes=16 trainer.n_gpus_per_node=8 "
+                         "actor.lr=2e-6 --check")
+    (tmp_path / "record.txt").unlink()
+    proc = _run(fake_bin, tmp_path, "actor.lr=2e-6", FAKE_CHECK_RC="2")  # a real submission whose check fails
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-2:] == ["preflight: data.train_files: data/x.parquet: no such file",
+                                             "dapo: the preflight found the problems above; nothing was started"]
+    assert [line.split(":")[0] for line in (tmp_path / "record.txt").read_text().splitlines()] == ["preflight"]
+    assert not (REPO / "logs" / "777").exists()
