@@ -395,6 +395,17 @@ _RC_CONFIGS: dict[str, dict] = {
     "rs_two_modes": {"rollout_rs": "seq_max_k2,token_k3", "rollout_rs_threshold": "0.5,0.2"},
     "rs_seq_sum_k1_and_token_is": {"rollout_is": "token", "rollout_is_threshold": 2.0,
                                    "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},
+    # IS and RS both on, with batch normalisation: verl normalises over the input mask, rejected tokens in
+    "token_is_rs_token_k1": {"rollout_is": "token", "rollout_is_threshold": 2.0,
+                             "rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},
+    "token_is_norm_rs_token_k1": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": True,
+                                  "rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},
+    "seq_is_norm_rs_seq_mean_k1": {"rollout_is": "sequence", "rollout_is_threshold": 5.0,
+                                   "rollout_is_batch_normalize": True, "rollout_rs": "seq_mean_k1",
+                                   "rollout_rs_threshold": "0.8_1.25"},
+    "band_is_norm_rs_token_k3": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0",
+                                 "rollout_is_batch_normalize": True, "rollout_rs": "token_k3",
+                                 "rollout_rs_threshold": 0.05},
 }
 
 

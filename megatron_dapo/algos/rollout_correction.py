@@ -12,8 +12,9 @@ Shape legend:
     old_log_prob, rollout_log_prob, response_mask, is_weights, returned mask: [B, T]
     per-sequence statistics: [B]; every metric: [] (detached 0-dim tensor)
 
-Order of operations: rejection sampling first, then IS weights over the tokens that survive it
-(so batch normalisation averages over the tokens that will actually be trained on).
+IS weights and rejection sampling are computed independently from the input mask, as verl 0.9.1 does:
+batch normalisation averages over every valid input token (or sequence), rejected ones included, and a
+rejected token keeps its weight (the returned mask removes it from the loss).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def _is_weights(
     upper: float,
     batch_normalize: bool,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """IS weights [B, T] (0 where not kept) and their metrics, over tokens or sequences."""
+    """IS weights [B, T] (0 outside `kept`) and their metrics, over tokens or sequences."""
     maskf = kept.to(log_ratio.dtype)
     if rollout_is == "token":
         raw = torch.exp(log_ratio)  # [B, T]
@@ -257,9 +258,10 @@ def compute_rollout_correction(
         "lower_upper" ratio band (kept where log(lower) <= k1 <= log(upper)), or a single u for
         [1/u, u]; k2/k3 modes: a single positive upper bound (kept where stat <= upper).
 
-    Returns (weights [B, T] in float32 or wider, 0 on padding and rejected tokens, detached; or
-    None when rollout_is is None), the response mask [B, T] (input dtype) with rejected tokens
-    zeroed (the input is not modified), and metrics under "rollout_corr/".
+    Returns (weights [B, T] in float32 or wider, 0 on padding, computed over the input mask as verl
+    does, so a rejected token keeps its weight and batch normalisation counts it; detached; or None
+    when rollout_is is None), the response mask [B, T] (input dtype) with rejected tokens zeroed (the
+    input is not modified; it is what removes them from the loss), and metrics under "rollout_corr/".
     """
     if old_log_prob.dim() != 2:
         raise ValueError(f"old_log_prob must be a [B, T] tensor, got shape {tuple(old_log_prob.shape)}")
@@ -310,8 +312,8 @@ def compute_rollout_correction(
     weights = None
     if rollout_is is not None:
         lower, upper = is_band
-        weights, is_metrics = _is_weights(
-            log_ratio, kept, rollout_is, lower, upper, rollout_is_batch_normalize
+        weights, is_metrics = _is_weights(  # over the input mask, not `kept`: verl 0.9.1's weights
+            log_ratio, valid, rollout_is, lower, upper, rollout_is_batch_normalize
         )
         metrics.update(is_metrics)
     return weights, new_mask, metrics

@@ -211,7 +211,7 @@ def test_returned_mask_keeps_a_bool_input_dtype():
     assert mask.dtype == torch.bool and mask.tolist() == torch.tensor(ROW0, dtype=torch.bool).tolist()
 
 
-def test_is_weights_are_computed_over_tokens_that_survive_rejection():
+def test_is_weights_are_computed_over_the_input_mask_as_verl_does():
     old, rollout = _inputs(RS_LR)
     weights, mask, _ = compute_rollout_correction(
         old,
@@ -222,10 +222,12 @@ def test_is_weights_are_computed_over_tokens_that_survive_rejection():
         rollout_rs="seq_max_k2",
         rollout_rs_threshold=0.4,
     )
-    # Only row 0 survives, with ratios e^0.1 and e^-0.1; normalised over those two tokens.
-    raw = torch.tensor([math.exp(0.1), math.exp(-0.1)], dtype=F64)
-    torch.testing.assert_close(weights[0, :2], raw / raw.mean())
-    assert (weights[mask == 0] == 0).all()
+    # Only row 0 survives rejection, but the weights are verl 0.9.1's: every valid input token keeps its
+    # weight (e^1 truncated at the default 2.0), normalised over all six of them; the mask drops rows 1-2.
+    raw = torch.tensor([math.exp(0.1), math.exp(-0.1), 2.0, 1.0, 1.0, math.exp(-2.0)], dtype=F64)
+    torch.testing.assert_close(weights[MASK.bool()], raw / raw.mean())
+    assert (weights[MASK == 0] == 0).all()
+    assert mask.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
 
 
 # ---------------------------------------------------------------------------------------------

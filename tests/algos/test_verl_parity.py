@@ -132,10 +132,11 @@ def test_rollout_correction_mask_weights_and_offpolicy_metrics_equal_verl(case):
         if kwargs.get("rollout_is_batch_normalize"):  # mean weight 1 over valid sequences
             valid = t["response_mask"].sum(-1) > 0
             w = w / w.max(-1).values[valid].mean()
-        _close(weights, w * new_mask, "is weights (API.md per-token clamp)")
+        _close(weights, w, "is weights (API.md per-token clamp)")
         return
-    # verl leaves weights on tokens that rejection sampling drops (its loss masks them); ours are 0 there.
-    _close(weights, _out(case, "weights") * _out(case, "mask"), "is weights")
+    # As verl, weights over the input mask: a token rejection sampling drops keeps its weight (the loss masks
+    # it), and batch normalisation counts it.
+    _close(weights, _out(case, "weights"), "is weights")
 
 
 def test_offpolicy_metrics_beyond_20_and_on_empty_rows_are_verl_not_clamped():
