@@ -228,3 +228,12 @@ def test_running_capacity_is_what_the_schedulers_decode_at_once():
     assert running_capacity({"internal_states": [{}], "max_running_requests": 8}) == 8  # older: the launch flag
     assert running_capacity({"max_running_requests": None}) is None
     assert running_capacity({"internal_states": [{"effective_max_running_requests_per_dp": True}]}) is None
+
+
+def test_the_gpu_extra_pins_sglang_to_the_supported_range():
+    import pathlib
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (spec,) = [s for s in pyproject["project"]["optional-dependencies"]["gpu"] if s.startswith("sglang")]
+    assert spec == f"sglang>={SUPPORTED[0]},<={SUPPORTED[1]}"
