@@ -63,11 +63,22 @@ echo "python $4 nodes at $3" >>"$FAKE_RECORD"
 """
 
 
+# `apptainer exec [--opt [value]] IMAGE CMD...`: recorded, then CMD runs here (no container).
+APPTAINER = """#!/usr/bin/env bash
+echo "apptainer $*" >>"$FAKE_RECORD"
+shift
+while [[ "$1" == --* ]]; do case "$1" in --bind|--pwd) shift 2 ;; *) shift ;; esac; done
+shift
+exec "$@"
+"""
+
+
 @pytest.fixture
 def fake_bin(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in {"scontrol": SCONTROL, "getent": GETENT, "srun": SRUN, "fake-python": PYTHON}.items():
+    for name, text in {"scontrol": SCONTROL, "getent": GETENT, "srun": SRUN, "fake-python": PYTHON,
+                       "apptainer": APPTAINER}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -300,3 +311,32 @@ def test_the_preflight_runs_first_in_a_dry_run_and_a_problem_starts_nothing(fake
                                              "dapo: the preflight found the problems above; nothing was started"]
     assert [line.split(":")[0] for line in (tmp_path / "record.txt").read_text().splitlines()] == ["preflight"]
     assert not (REPO / "logs" / "777").exists()
+
+
+def test_a_pyxis_container_runs_every_step_and_the_batch_hosts_commands_in_the_image(fake_bin, tmp_path):
+    image, mounts = "nvcr.io/acme/dapo:25.10", "/shared:/shared,/scratch"
+    proc = _run(fake_bin, tmp_path, "--dry-run", CONTAINER_IMAGE=image, CONTAINER_MOUNTS=mounts)
+    assert proc.returncode == 0, proc.stderr
+    flags = [f"--container-image={image}", f"--container-mounts={REPO},{mounts}", f"--container-workdir={REPO}"]
+    for role, entries in _commands(proc.stdout).items():
+        for _, _, argv, _ in entries:
+            assert argv[0] == "srun" and all(f in argv for f in flags), (role, argv)
+    # the preflight ran as a job step on the head node, in the image (the batch host has no Python stack)
+    (check,) = (tmp_path / "record.txt").read_text().splitlines()
+    assert check.startswith(f"srun on {NODES[0]}: ") and check.endswith("--check")
+    assert "/fake-python -m megatron_dapo.train --config configs/dapo_qwen2.5_32b.yaml" in check
+
+
+def test_an_apptainer_image_wraps_every_command_and_both_kinds_at_once_are_refused(fake_bin, tmp_path):
+    proc = _run(fake_bin, tmp_path, "--dry-run", APPTAINER_IMAGE="/shared/dapo.sif", CONTAINER_MOUNTS="/shared")
+    assert proc.returncode == 0, proc.stderr
+    prefix = ["apptainer", "exec", "--nv", "--bind", f"{REPO},/shared", "--pwd", str(REPO), "/shared/dapo.sif"]
+    for _, _, argv, _ in _commands(proc.stdout)["trainer"]:
+        start = argv.index("apptainer")
+        assert argv[start:start + len(prefix)] == prefix and argv[start + len(prefix) + 1:][:2] == \
+            ["-m", "megatron_dapo.torchrun"]
+    apptainer, check = (tmp_path / "record.txt").read_text().splitlines()  # the preflight, in the image
+    assert apptainer.startswith(f"apptainer exec --nv --bind {REPO},/shared --pwd {REPO} /shared/dapo.sif ")
+    assert check.startswith("preflight: --config configs/dapo_qwen2.5_32b.yaml")
+    proc = _run(fake_bin, tmp_path, "--dry-run", APPTAINER_IMAGE="/x.sif", CONTAINER_IMAGE="nvcr.io/x")
+    assert proc.returncode == 2 and "CONTAINER_IMAGE and APPTAINER_IMAGE are both set: choose one" in proc.stderr
