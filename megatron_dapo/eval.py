@@ -8,7 +8,7 @@
 config.yaml gives the architecture and tokenizer; see `convert.load_trainer_checkpoint`).
 --data is a parquet / jsonl file in the DAPO-Math / AIME layout, or `arithmetic` for the synthetic
 task's validation split. For a trainer checkpoint, the options not given (n, sampling, lengths, the
-arithmetic task's settings, the reward) are the run's own (its rollout.val_kwargs, data.* and reward.*).
+reward) are the run's own (its rollout.val_kwargs, data.* and reward.*).
 Generation uses the local Megatron engine (or SGLang servers with
 --engine sglang --sglang-url URL). The last line printed is a JSON object of the figures.
 """
@@ -98,12 +98,12 @@ def _fill_defaults(args, run) -> None:
             setattr(args, name, from_run.get(name, default))
 
 
-def _dataset(spec: str, tokenizer, max_prompt_length: int, run=None):
+def _dataset(spec: str, tokenizer, max_prompt_length: int):
     if spec == "arithmetic":
         from megatron_dapo.config.schema import ArithmeticConfig
         from megatron_dapo.data.arithmetic import make_arithmetic_dataset
 
-        a = run.data.arithmetic if run is not None else ArithmeticConfig()  # the run's task: its digits, operators
+        a = ArithmeticConfig()  # the standard synthetic validation set, whatever model is evaluated
         return make_arithmetic_dataset("val", num_samples=a.num_val, seed=a.seed, min_digits=a.min_digits,
                                        max_digits=a.max_digits, operators=a.operators, tokenizer=tokenizer)
     from megatron_dapo.data.dataset import load_prompt_dataset
@@ -120,7 +120,7 @@ def evaluate(args) -> dict[str, float]:
     model, tok_spec, pgs, run = _load_model(args.model, args.tokenizer)
     _fill_defaults(args, run)
     tokenizer = load_tokenizer(tok_spec)
-    data = _dataset(args.data, tokenizer, args.max_prompt_length, run)
+    data = _dataset(args.data, tokenizer, args.max_prompt_length)
     if args.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 

@@ -61,9 +61,9 @@ def test_eval_of_a_trainer_checkpoint(tmp_path, capsys):
                  "--max-tokens", "4", "--temperature", "0"]) == 0
     out = _last_json(capsys)
     assert out["num_prompts"] == 128.0 and out["avg@1"] == out["pass@1"]
-    # Only --model and --data: the run's own validation settings (tiny_cpu: val_kwargs.n 4, 256 held-out
-    # problems, responses of at most data.max_response_length = 4 tokens), not the AIME defaults (20,480
-    # tokens, more than this model's 1,024 positions).
+    # Only --model and --data: the run's own validation settings (tiny_cpu: val_kwargs.n 4, responses of at
+    # most data.max_response_length = 4 tokens), not the AIME defaults (20,480 tokens, more than this
+    # model's 1,024 positions).
     assert main(["--model", str(tmp_path / "ev/ckpt"), "--data", "arithmetic"]) == 0
     out = _last_json(capsys)
-    assert out["num_prompts"] == 256.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}
+    assert out["num_prompts"] == 128.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}

@@ -96,7 +96,6 @@ def test_eval_reads_the_trainer_checkpoint_and_its_export_alike(dense, tmp_path,
     assert from_ckpt == from_hf and from_ckpt["num_prompts"] == 128.0
 
 
-@pytest.mark.slow
 class _Payload:
     """Unpickling this runs `open(<path>, "w")`: what a crafted `.metadata` could do."""
 
@@ -125,6 +124,7 @@ def test_a_tampered_checkpoint_is_refused_before_anything_in_it_is_unpickled(den
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_moe_tp2_ep2_checkpoint_exports_to_hf_with_the_trainers_logits(moe, tmp_path, capsys):
     _export(moe / "runs/exp/ckpt/global_step_3", tmp_path / "hf", capsys)
     _check_export_matches_trainer(moe, tmp_path / "hf", "qwen3_moe")
