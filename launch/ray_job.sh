@@ -7,9 +7,11 @@
 #   launch/ray_job.sh configs/dapo_qwen2.5_32b.yaml [key=value ...]
 #   launch/ray_job.sh --dry-run configs/...                  # print the command only (or DRY_RUN=1)
 #
-# The job runs `$PYTHON -m megatron_dapo.train --config <recipe> [key=value ...]` in the unpacked
-# working directory on the head node; the trainer reaches the cluster with ray.init() and places
-# its engines there. `ray job submit` follows the job's log and exits non-zero when the job fails.
+# The job runs `$PYTHON -m megatron_dapo.ray_launch --config <recipe> [key=value ...]` in the unpacked
+# working directory: it starts the recipe's world, trainer.nnodes x trainer.n_gpus_per_node ranks, as one
+# torchrun agent per node placed by Ray (one placement-group bundle per node, the node's GPUs in it), and
+# the trainer places its engines on the same cluster. `ray job submit` follows the job's log and exits
+# non-zero when the job fails (with the first failing node's status).
 # Relative paths in a recipe resolve inside the unpacked working directory. data/ (the output of
 # `make data`, a few MB) travels with it; models/ is excluded by launch/runtime_env.yaml (a 32B
 # checkpoint cannot travel in a Ray package, limit 512 MiB), so point the model at shared storage:
@@ -41,7 +43,7 @@ RUNTIME_ENV=${RUNTIME_ENV:-$REPO_DIR/launch/runtime_env.yaml}
 
 read -r -a EXTRA <<<"${RAY_JOB_SUBMIT_ARGS:-}"
 cmd=("${RAY:-ray}" job submit --address "$RAY_ADDRESS" --runtime-env "$RUNTIME_ENV" --working-dir "$WORKING_DIR"
-     "${EXTRA[@]}" -- "${PYTHON:-python}" -m megatron_dapo.train --config "$RECIPE" "${OVERRIDES[@]}")
+     "${EXTRA[@]}" -- "${PYTHON:-python}" -m megatron_dapo.ray_launch --config "$RECIPE" "${OVERRIDES[@]}")
 if [[ "$DRY_RUN" == 1 ]]; then
     printf '%q ' "${cmd[@]}"
     echo

@@ -41,7 +41,7 @@ def test_dry_run_defaults_follow_the_dapo_recipe_variables():
     assert shlex.split(proc.stdout) == [
         "ray", "job", "submit", "--address", "http://localhost:8265", "--runtime-env",
         str(REPO / "launch" / "runtime_env.yaml"), "--working-dir", str(REPO), "--", "python", "-m",
-        "megatron_dapo.train", "--config", "configs/tiny_cpu.yaml", "actor.lr=1e-4"]
+        "megatron_dapo.ray_launch", "--config", "configs/tiny_cpu.yaml", "actor.lr=1e-4"]
 
 
 def test_ray_ip_and_explicit_variables_override_the_defaults(tmp_path):
@@ -117,7 +117,7 @@ def ray_head():
     temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")      # short: Ray's socket paths have a length limit
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-           "--num-cpus=1", "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+           "--num-cpus=3", "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
     # Ray 2.60 reads a token from ~/.ray/auth_token when one exists (another Ray run may leave one):
     # the head and the submitting CLI share a private HOME so they agree.
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", HOME=temp)
@@ -163,9 +163,31 @@ def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(r
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "done: 1 steps" in ok.stdout and "succeeded" in ok.stdout + ok.stderr
     assert (tmp_path / "runs/ray_job_test/ckpt/global_step_1/trainer_state.pt").exists()
-    bad = _run("configs/tiny_cpu.yaml", "--print-config", "trainer.no_such_key=1", **env)
+    bad = _run("configs/tiny_cpu.yaml", "trainer.no_such_key=1", **env)
     assert bad.returncode != 0
     assert "trainer.no_such_key" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_a_two_node_recipe_runs_as_one_torchrun_agent_per_placement_bundle(ray_head, tmp_path):
+    """trainer.nnodes=2: two torchrun agents placed by Ray (PACK: both "nodes" on this machine), one gloo
+    rank each, rendezvous hosted by bundle 0's agent; the step trains on both ranks and checkpoints."""
+    address, home = ray_head
+    runtime_env = tmp_path / "runtime_env.yaml"
+    runtime_env.write_text("env_vars:\n  OMP_NUM_THREADS: \"1\"\n  MEGATRON_DAPO_RAY_PLACEMENT: PACK\n")
+    env = dict(RAY_ADDRESS=address, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
+               PYTHON=sys.executable, HOME=home)
+    ok = _run("configs/tiny_cpu.yaml", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+              "trainer.experiment_name=ray_two", "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0",
+              "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "trainer.test_freq=0",
+              "trainer.val_before_train=false", "trainer.logger=[console]", f"trainer.output_dir={tmp_path / 'runs'}",
+              **env)
+    out = ok.stdout + ok.stderr
+    assert ok.returncode == 0, out[-4000:]
+    assert re.search(r"ray_launch: 2 node\(s\) x 1 rank\(s\), rendezvous at [0-9.]+:\d+ \(PACK\)", out), out[-3000:]
+    # both agents ran (the trainer checks that its world is nnodes x n_gpus_per_node = 2 processes)
+    assert "[node 0]" in out and "[node 1]" in out and "done: 1 steps" in out
+    assert (tmp_path / "runs/ray_two/ckpt/global_step_1/manifest.json").exists()
 
 
 def test_the_job_package_holds_every_tracked_file():

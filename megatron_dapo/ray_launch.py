@@ -1,0 +1,116 @@
+"""`python -m megatron_dapo.ray_launch --config RECIPE [key=value ...]`: a recipe's whole world, started from
+a Ray job (launch/ray_job.sh submits this as the job's entrypoint).
+
+The recipe's `trainer.nnodes` x `trainer.n_gpus_per_node` ranks run as one torchrun agent per node
+(`python -m megatron_dapo.torchrun`, c10d rendezvous), each agent in a bundle of a Ray placement group:
+one bundle per node (STRICT_SPREAD), with the node's GPUs when the cluster has GPUs. The rendezvous is
+hosted by the agent of bundle 0 (`is_host=1`), at its node's address. Each agent's output reaches the job's log with a
+`[node i]` prefix. The job ends with the first agent that fails (the others are stopped; a torchrun that
+loses its Ray worker gets SIGTERM and ends its ranks) or when all succeed, and exits with that status
+(75, trainer.preemption_exit_code, included). A world of one process runs the trainer directly.
+
+MEGATRON_DAPO_RAY_PLACEMENT sets the placement strategy (default STRICT_SPREAD; PACK puts the agents on
+one node: the CPU test runs two "nodes" on one machine that way).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PLACEMENT_ENV = "MEGATRON_DAPO_RAY_PLACEMENT"
+
+
+def _die_with_parent() -> None:
+    """In the torchrun agent: SIGTERM when the Ray worker that started it dies (torchrun then ends its ranks)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
+def _host_address() -> tuple[str, int]:
+    """This node's address and a free port on it: where the rendezvous of the job is hosted."""
+    import ray
+
+    from megatron_dapo.parallel import listen_on
+
+    ip = ray.util.get_node_ip_address()
+    sock = listen_on(ip)
+    port = sock.getsockname()[1]
+    sock.close()
+    return ip, port
+
+
+def _agent(cmd: list[str], index: int) -> int:
+    """Run one node's torchrun agent, streaming its output; returns its exit status."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent)
+    for line in proc.stdout:
+        print(f"[node {index}] {line}", end="", flush=True)
+    return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from megatron_dapo.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="python -m megatron_dapo.ray_launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    train = ["-m", "megatron_dapo.train", "--config", args.config, *args.overrides]
+    nnodes, nproc = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
+    if nnodes * nproc == 1:
+        return subprocess.call([sys.executable, *train])
+
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray.init(address="auto", logging_level="ERROR")
+    gpus = nproc if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    strategy = os.environ.get(PLACEMENT_ENV, "STRICT_SPREAD")
+    bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+    group = placement_group([bundle] * nnodes, strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=600)
+    if not ready:
+        print(f"ray_launch: the cluster cannot place {nnodes} nodes of {bundle} ({strategy}) within 600 s: "
+              f"{ray.cluster_resources()}", file=sys.stderr)
+        return 2
+    on = [PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+          for i in range(nnodes)]
+    host, port = ray.get(ray.remote(_host_address).options(num_cpus=0, scheduling_strategy=on[0]).remote())
+    agent = ray.remote(_agent)
+    cmd = [sys.executable, "-m", "megatron_dapo.torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}", f"--rdzv_id={os.getpid()}-{port}",
+           "--max_restarts=0", *train]
+    print(f"ray_launch: {nnodes} node(s) x {nproc} rank(s), rendezvous at {host}:{port} ({strategy})", flush=True)
+    # Bundle 0's agent hosts the rendezvous store, said explicitly: torch infers it by matching the endpoint
+    # against the host name's addresses, which a node whose name resolves to loopback never matches.
+    running = {agent.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=on[i]).remote(
+        [*cmd[:3], f"--rdzv_conf=is_host={int(i == 0)}", *cmd[3:]], i): i for i in range(nnodes)}
+    status = 0
+    while running:
+        done, _ = ray.wait(list(running), num_returns=1)
+        index = running.pop(done[0])
+        code = ray.get(done[0])
+        if code != 0 and status == 0:
+            status = code
+            print(f"ray_launch: node {index} ended with status {code}; stopping the others", file=sys.stderr)
+            for ref in running:
+                ray.cancel(ref, force=True)
+            break
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
