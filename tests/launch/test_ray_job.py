@@ -149,13 +149,19 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _job_env(ray_head, tmp_path, **job_env_vars) -> dict:
+    """ray_job.sh's environment for a submission to the local head: a runtime env of environment variables
+    only (no pip, no network), OMP_NUM_THREADS=1 plus `job_env_vars`."""
+    address, home = ray_head
+    runtime_env = tmp_path / "runtime_env.yaml"
+    runtime_env.write_text(yaml.safe_dump({"env_vars": {"OMP_NUM_THREADS": "1", **job_env_vars}}))
+    return dict(RAY_ADDRESS=address, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"), PYTHON=sys.executable,
+                HOME=home)
+
+
 @pytest.mark.slow
 def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(ray_head, tmp_path):
-    address, home = ray_head
-    runtime_env = tmp_path / "runtime_env.yaml"                 # env vars only: no pip, no network
-    runtime_env.write_text("env_vars:\n  OMP_NUM_THREADS: \"1\"\n")
-    env = dict(RAY_ADDRESS=address, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
-               PYTHON=sys.executable, HOME=home)
+    env = _job_env(ray_head, tmp_path)
     ok = _run("configs/tiny_cpu.yaml", "trainer.experiment_name=ray_job_test", "trainer.total_training_steps=1",
               "trainer.sft_warmup_steps=0", "algorithm.filter_groups.enable=false", "data.gen_batch_size=null",
               "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[console]",
@@ -172,11 +178,7 @@ def test_job_submitted_to_a_local_head_runs_the_recipe_and_a_failing_job_fails(r
 def test_a_two_node_recipe_runs_as_one_torchrun_agent_per_placement_bundle(ray_head, tmp_path):
     """trainer.nnodes=2: two torchrun agents placed by Ray (PACK: both "nodes" on this machine), one gloo
     rank each, rendezvous hosted by bundle 0's agent; the step trains on both ranks and checkpoints."""
-    address, home = ray_head
-    runtime_env = tmp_path / "runtime_env.yaml"
-    runtime_env.write_text("env_vars:\n  OMP_NUM_THREADS: \"1\"\n  MEGATRON_DAPO_RAY_PLACEMENT: PACK\n")
-    env = dict(RAY_ADDRESS=address, RUNTIME_ENV=str(runtime_env), RAY=str(VENV_BIN / "ray"),
-               PYTHON=sys.executable, HOME=home)
+    env = _job_env(ray_head, tmp_path, MEGATRON_DAPO_RAY_PLACEMENT="PACK")
     ok = _run("configs/tiny_cpu.yaml", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
               "trainer.experiment_name=ray_two", "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0",
               "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "trainer.test_freq=0",

@@ -16,14 +16,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from megatron_dapo.trainer import faults
 from megatron_dapo.trainer.checkpoint import LATEST, verify_checkpoint
 from tests.standin import free_port
+from tests.trainer.test_fit import TINY as FIT_TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
-        "data.max_response_length=6", "reward.overlong_buffer.len=4", "algorithm.filter_groups.metric=seq_reward",
-        "data.arithmetic.num_train=200", "data.arithmetic.num_val=8", "trainer.sft_warmup_steps=0",
-        "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=1e-3", "trainer.logger=[tensorboard]",
-        "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=4",
-        "trainer.experiment_name=a"]
+# test_fit's tiny run, 4 steps, a checkpoint after each, all kept
+TINY = [*FIT_TINY, "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.total_training_steps=4",
+        "trainer.save_freq=1", "trainer.max_ckpt_to_keep=4", "trainer.experiment_name=a"]
 
 
 def _train(out: pathlib.Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 
+from tests.trainer.test_fit import TINY as FIT_TINY
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ["data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
-        "data.max_response_length=6", "reward.overlong_buffer.len=4", "algorithm.filter_groups.metric=seq_reward",
-        "data.arithmetic.num_train=200", "data.arithmetic.num_val=8", "trainer.sft_warmup_steps=0",
-        "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=1e-3", "trainer.logger=[tensorboard]"]
+TINY = [*FIT_TINY, "trainer.test_freq=0", "trainer.val_before_train=false"]  # test_fit's tiny run, no validation
 
 
 def _namespaces_work() -> bool:
