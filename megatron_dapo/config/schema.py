@@ -627,7 +627,7 @@ class QueueConfig:
     parameter_sync_step: int = 1
     """Local actor updates (`_step_once` calls) between weight syncs to the engines."""
     max_staleness: int = 0
-    """How many policy versions producers may run ahead of the trainer (0 = on-policy; the issue's async.max_staleness)."""
+    """How many policy versions producers may run ahead of the trainer (0 = on-policy)."""
     stale_policy: Literal["drop", "correct"] = "drop"
     """Samples older than max_staleness: drop (and regenerate their prompts) or keep them with rollout correction."""
     partial_rollout: bool = False
