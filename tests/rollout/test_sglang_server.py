@@ -323,10 +323,11 @@ def test_a_server_launched_by_a_torchrun_rank_does_not_inherit_its_rendezvous(mo
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                  "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x",
-                 "OMP_NUM_THREADS": "1"}.items():
+                 "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_FUSED_ATTN": "0"}.items():
         monkeypatch.setenv(k, v)
     env = server_environment({"SGLANG_USE_CPU_ENGINE": "1", "MASTER_PORT": "1234"})
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "GROUP_RANK"} & set(env)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env and "NVTE_FUSED_ATTN" not in env  # the trainer's settings
     assert not [k for k in env if k.startswith("TORCHELASTIC_")]
     assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["MASTER_PORT"] == "1234"  # what the configuration sets explicitly still applies

@@ -255,14 +255,19 @@ def launch_server(
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 """torchrun's per-process variables, removed from a server's environment with every TORCHELASTIC_* one."""
+TRAINER_ONLY_VARIABLES = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+"""The trainer's own settings, also removed (with every NVTE_* one, Transformer Engine's): launch/slurm/env.sh sets
+CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron's communication overlap, which would serialise the server's kernel
+launches on one hardware queue."""
 
 
 def server_environment(extra: dict[str, str] | None) -> dict[str, str]:
-    """The environment a server starts with: this process's, without torchrun's rendezvous variables, plus
-    `extra`. SGLang's scheduler initialises torch.distributed for its own TP group: with a launching rank's
+    """The environment a server starts with: this process's, without torchrun's rendezvous variables and the
+    trainer-only ones (TRAINER_ONLY_VARIABLES, NVTE_*), plus `extra`. SGLang's scheduler initialises torch.distributed for its own TP group: with a launching rank's
     RANK / WORLD_SIZE / MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE it waits forever on the trainer's
     rendezvous store instead of creating its own (measured: 0.5.23 hangs in init_process_group)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES + TRAINER_ONLY_VARIABLES
+           and not k.startswith(("TORCHELASTIC_", "NVTE_"))}
     return {**env, **(extra or {})}
 
 
