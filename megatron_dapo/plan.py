@@ -441,12 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="layer spec of the GPUs: te (Transformer Engine, the fusions' default on) or local")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
-    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.config import ConfigError, load_config_cli
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_cli(args.config, args.overrides)
+    if cfg is None:
         return 2
     try:
         plan = plan_from_config(cfg, gpu_memory_gib=args.gpu_memory_gb, overhead_gib=args.overhead_gb,

@@ -100,19 +100,16 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
     except ConfigError as e:
         problems.append((e.key, e.message))
 
-    for directory in dict.fromkeys((cfg.run_dir, cfg.ckpt_dir)):
-        problem = _writable(directory)
-        if problem:
-            problems.append((directory, problem))
-    try:
-        from megatron_dapo.trainer.run import _check_fresh_start
-        from megatron_dapo.trainer.rundir import holder
+    from megatron_dapo.trainer.run import _check_fresh_start
+    from megatron_dapo.trainer.rundir import holder
 
+    for directory in dict.fromkeys((cfg.run_dir, cfg.ckpt_dir)):
+        other = holder(directory)
+        for problem in (_writable(directory), other and f"another run holds it: {other}"):
+            if problem:
+                problems.append((directory, problem))
+    try:
         _check_fresh_start(cfg)
-        for directory in dict.fromkeys((cfg.run_dir, cfg.ckpt_dir)):
-            other = holder(directory)
-            if other:
-                problems.append((directory, f"another run holds it: {other}"))
         done.append("output directories")
     except ConfigError as e:
         problems.append((e.key, e.message))

@@ -55,17 +55,15 @@ def _agent(cmd: list[str], index: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.config import load_config_cli
 
     p = argparse.ArgumentParser(prog="python -m megatron_dapo.ray_launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML recipe (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_cli(args.config, args.overrides)
+    if cfg is None:
         return 2
     train = ["-m", "megatron_dapo.train", "--config", args.config, *args.overrides]
     nnodes, nproc = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_dapo.config import ConfigError, load_config, to_yaml
+from megatron_dapo.config import load_config_cli, to_yaml
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,10 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = load_config_cli(args.config, args.overrides)
+    if cfg is None:
         return 2
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
+import sys
 import types
 import typing
 from typing import Any, Literal, Union
@@ -26,21 +28,22 @@ def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _all_keys(cls, prefix: str = "") -> list[str]:
+def _all_keys(cls, prefix: str = "", *, leaves: bool = False) -> list[str]:
+    """Every dotted key of `cls`, sections included (leaves=True: only the keys that hold a value)."""
     keys = []
     for name, tp in _field_types(cls).items():
-        key = prefix + name
-        keys.append(key)
-        if dataclasses.is_dataclass(tp):
-            keys.extend(_all_keys(tp, key + "."))
+        key, section = prefix + name, dataclasses.is_dataclass(tp)
+        if not (leaves and section):
+            keys.append(key)
+        if section:
+            keys.extend(_all_keys(tp, key + ".", leaves=leaves))
     return keys
 
 
-def _leaf_keys(cls=Config, prefix: str = "") -> set[str]:
-    keys = set()
-    for name, tp in _field_types(cls).items():
-        keys |= _leaf_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else {prefix + name}
-    return keys
+@functools.cache
+def _leaf_keys() -> frozenset[str]:
+    """The keys of Config that hold a value (not a section)."""
+    return frozenset(_all_keys(Config, leaves=True))
 
 
 def _unknown_key(cls, key: str) -> ConfigError:
@@ -270,6 +273,16 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
             _set(raw, key, value)
     _merge(raw, _parse_dotlist(list(overrides or [])))
     return _build(Config, raw, "")
+
+
+def load_config_cli(config_path: str | None, overrides: list[str] | None) -> Config | None:
+    """load_config for a command line: None after printing `config error: <key>: <problem>` to stderr (the
+    caller exits 2, the contract of every CLI here)."""
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None
 
 
 def to_dict(cfg) -> dict:

@@ -227,6 +227,7 @@ class PendingSave:
     def finish(self) -> str:
         """Wait for the helpers and complete the checkpoint (a collective); returns its directory. Raises
         CheckpointWriteError, after removing the torn directory, when a helper failed."""
+        failed = None
         try:
             if self._process is not None:
                 self._process.join()
@@ -237,12 +238,9 @@ class PendingSave:
             faults.maybe_crash("checkpoint_write", self.step)
         except (Exception, CheckpointException) as exc:
             failed = exc
-        else:
-            failed = None
         problems = _gather(None if failed is None else f"{type(failed).__name__}: {failed}")
-        if any(problems):
+        if any(problems):  # on every rank, whichever rank's writer failed
             exc = failed or RuntimeError(next(p for p in problems if p))
-            self.abandon()
             raise _write_failed(exc, self.root, self.tmp) from failed
         return self.complete()
 

@@ -36,7 +36,7 @@ def lock_run_directory(path: str) -> str:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
+        holder = _holder_text(fd)
         os.close(fd)
         raise RunDirectoryInUse(f"{path} is in use by another trainer ({holder}); stop it, or give this run its "
                                 "own trainer.output_dir / trainer.experiment_name (trainer.default_local_dir for "
@@ -46,6 +46,11 @@ def lock_run_directory(path: str) -> str:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}).encode(), 0)
     _held[lock] = fd
     return lock
+
+
+def _holder_text(fd: int) -> str:
+    """What the lock file's holder wrote of itself (pid, host, start time, command line)."""
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
 
 
 def release_run_directories() -> None:
@@ -65,7 +70,7 @@ def holder(path: str) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
+        return _holder_text(fd)
     finally:
         os.close(fd)  # also drops the shared lock when it was taken
     return None
