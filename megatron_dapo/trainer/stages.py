@@ -77,8 +77,10 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     mine = list(range(rank, len(rollout), world))
-    responses, lengths = rollout.responses.tolist(), rollout.response_length.tolist()  # one copy, not one per row
-    texts = [tokenizer.decode(responses[i][: lengths[i]]) for i in mine]
+    # Only this rank's rows, and only their real tokens, become Python ints (the padded matrix as lists
+    # would cost 40 B per element: ~19 GiB per rank at 24,576 x 20,480).
+    lengths = rollout.response_length.tolist()
+    texts = [tokenizer.decode(rollout.responses[i, : lengths[i]].tolist()) for i in mine]
     shard: dict = {"rows": mine, "score": [], "reward": [], "extra": {}, "error": None}
     try:
         if mine:
