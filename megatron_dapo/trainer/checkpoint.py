@@ -6,7 +6,12 @@ Layout under the checkpoint directory:
                                      tensors / numbers / lists only: loaded with weights_only=True)
     global_step_<k>/manifest.json    every other file's size and SHA-256 (JSON: read without unpickling)
     latest_checkpointed_iteration.txt
-    inflight.pt                      the dynamic-sampling buffer of the step in progress (see fit)
+    inflight/                        the dynamic-sampling buffer of the step in progress (see fit):
+        part_<i>.pt                  the groups kept from generation batch i, ragged (real tokens only),
+                                     each written once, when it is new
+        state.pt                     the step, the buffer's counters, the sampler and how many parts
+                                     belong to it; written after the parts, so a part it does not
+                                     count (a crash between the two) is ignored and overwritten
 
 A checkpoint is written into `tmp_global_step_<k>` and renamed into place when complete, and the
 `latest` file is replaced atomically after that: a crash mid-write never replaces the last good
@@ -39,7 +44,8 @@ from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.trainer import faults
 
 LATEST = "latest_checkpointed_iteration.txt"
-INFLIGHT = "inflight.pt"
+INFLIGHT = "inflight"
+_INFLIGHT_STATE = "state.pt"
 MANIFEST = "manifest.json"
 HASH = "sha256"
 _CHUNK = 16 * 2**20
@@ -367,20 +373,32 @@ def fix_distributed_optimizer_step_after_load(opt, loaded: dict) -> None:
                 s["step"] = torch.tensor(step)
 
 
-def save_inflight(root: str, state: dict) -> None:
-    os.makedirs(root, exist_ok=True)
-    _atomic_torch_save(state, os.path.join(root, INFLIGHT))
+def save_inflight(root: str, state: dict, new_parts: list[dict], *, first: int) -> None:
+    """The in-flight buffer of the step in progress: `new_parts` are parts first, first + 1, ... (the
+    parts before `first` are on disk already, from this step's earlier calls), then `state` with the part
+    count. Each generation batch's kept groups are thus written once, not again with every later batch."""
+    where = os.path.join(root, INFLIGHT)
+    if first == 0:
+        clear_inflight(root)  # another step's parts must not mix with this one's
+    os.makedirs(where, exist_ok=True)
+    for i, part in enumerate(new_parts, start=first):
+        _atomic_torch_save(part, os.path.join(where, f"part_{i}.pt"))
+    _atomic_torch_save({**state, "num_parts": first + len(new_parts)}, os.path.join(where, _INFLIGHT_STATE))
 
 
-def load_inflight(root: str) -> dict | None:
-    path = os.path.join(root, INFLIGHT)
-    return torch.load(path, weights_only=True) if os.path.exists(path) else None
+def load_inflight(root: str) -> tuple[dict, list[dict]] | None:
+    """(state, parts) as save_inflight wrote them, or None when no step was in progress."""
+    where = os.path.join(root, INFLIGHT)
+    path = os.path.join(where, _INFLIGHT_STATE)
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, weights_only=True)
+    parts = [torch.load(os.path.join(where, f"part_{i}.pt"), weights_only=True) for i in range(int(state["num_parts"]))]
+    return state, parts
 
 
 def clear_inflight(root: str) -> None:
-    path = os.path.join(root, INFLIGHT)
-    if os.path.exists(path):
-        os.remove(path)
+    shutil.rmtree(os.path.join(root, INFLIGHT), ignore_errors=True)
 
 
 def _files(directory: str) -> list[str]:

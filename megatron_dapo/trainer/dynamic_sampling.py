@@ -149,19 +149,31 @@ class GroupBuffer:
         self._reset_costs()
 
     # -- checkpointing: only tensors, lists, dicts and numbers (loadable with weights_only=True) --
-    def state_dict(self) -> dict[str, Any]:
+    # The state is the counters plus one part per generation batch that kept groups, so the trainer
+    # writes each part once (trainer/checkpoint.py, save_inflight) and not the whole buffer per batch.
+    @property
+    def num_parts(self) -> int:
+        return len(self._kept)
+
+    def counters(self) -> dict[str, Any]:
         return {"num_gen_batches": self.num_gen_batches, "num_prompts": self.num_prompts,
-                "dropped_groups": self.dropped_groups, "kept": [_scored_to_dict(b) for b in self._kept],
+                "dropped_groups": self.dropped_groups,
                 "costs": [self.generated_tokens, self.cut_groups, self.finished_rows, self.finished_tokens]}
+
+    def parts(self, first: int = 0) -> list[dict[str, Any]]:
+        """The kept groups of each generation batch from `first` on, ragged (real tokens only)."""
+        return [_scored_to_dict(b) for b in self._kept[first:]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.counters(), "kept": self.parts()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_gen_batches = int(state["num_gen_batches"])
         self.num_prompts = int(state["num_prompts"])
         self.dropped_groups = int(state["dropped_groups"])
-        self._kept = [_scored_from_dict(d) for d in state["kept"]]
-        # absent in in-flight files written before the costs were counted
+        self._kept = [_scored_from_dict(d, self.pad_id) for d in state["kept"]]
         self.generated_tokens, self.cut_groups, self.finished_rows, self.finished_tokens = (
-            int(x) for x in state.get("costs", [0, 0, 0, 0]))
+            int(x) for x in state["costs"])
 
 
 class StopWhenFull:
@@ -197,14 +209,33 @@ def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]
     return [g for g, a in enumerate(aborted) if not a], [g for g, a in enumerate(aborted) if a]
 
 
+_RAGGED = ("responses", "rollout_log_probs")  # [B, T] fields stored as their rows' real tokens only
+
+
 def _scored_to_dict(b: ScoredBatch) -> dict[str, Any]:
+    """A ScoredBatch as tensors, lists and dicts; the [B, T] response fields ragged (a row's first
+    response_length entries, concatenated), the mask left out (it is response_length's)."""
     d = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "rollout"}
-    d["rollout"] = {f.name: getattr(b.rollout, f.name) for f in dataclasses.fields(b.rollout)}
+    rb = b.rollout
+    real = rb.response_mask.bool()
+    d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb)
+                    if f.name not in (*_RAGGED, "response_mask")}
+    if int(real.sum()) != int(rb.response_length.sum()):
+        raise ValueError("response_mask does not cover exactly each row's response_length tokens")
+    d["rollout"].update({name: getattr(rb, name)[real] for name in _RAGGED}, width=rb.responses.shape[1])
     return d
 
 
-def _scored_from_dict(d: dict[str, Any]) -> ScoredBatch:
-    rollout = RolloutBatch(**d["rollout"])
+def _scored_from_dict(d: dict[str, Any], pad_id: int) -> ScoredBatch:
+    fields = dict(d["rollout"])
+    width, lengths = int(fields.pop("width")), fields["response_length"]
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    for name in _RAGGED:
+        flat = fields[name]
+        dense = torch.full((len(lengths), width), pad_id if name == "responses" else 0, dtype=flat.dtype)
+        dense[mask] = flat
+        fields[name] = dense
+    rollout = RolloutBatch(**fields, response_mask=mask.to(torch.float32))
     rest = {k: v for k, v in d.items() if k != "rollout"}
     for k in ("scores", "rewards"):
         rest[k] = torch.as_tensor(rest[k])

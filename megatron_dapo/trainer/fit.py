@@ -107,6 +107,7 @@ class DAPOTrainer:
         self.loss_history: list[tuple[int, float]] = []
         self._saved_step: int | None = None  # the step of the checkpoint this process last wrote or read
         self._pending_save: ckpt.PendingSave | None = None  # trainer.async_save: shards still being written
+        self._inflight_parts = 0  # the kept-group parts of the step in progress already on disk (_save_inflight)
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
@@ -227,6 +228,7 @@ class DAPOTrainer:
             self._stop_if_signalled(saved=False)
         batch, metrics = self.buffer.take()
         ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
+        self._inflight_parts = 0
         return batch, metrics
 
     def _stop_when_full(self, records, group_suffix: str) -> StopWhenFull:
@@ -399,9 +401,13 @@ class DAPOTrainer:
         pending.finish()
 
     def _save_inflight(self, step: int) -> None:
+        """The step's kept groups so far: only the generation batches not written yet, then the counters."""
         if self.is_rank0:
-            ckpt.save_inflight(self.cfg.ckpt_dir, {"step": step, "buffer": self.buffer.state_dict(),
-                                                   "sampler": self.p.sampler.state_dict()})
+            first = self._inflight_parts
+            ckpt.save_inflight(self.cfg.ckpt_dir, {"step": step, "buffer": self.buffer.counters(),
+                                                   "sampler": self.p.sampler.state_dict()},
+                               self.buffer.parts(first), first=first)
+        self._inflight_parts = self.buffer.num_parts
 
     def _resume(self) -> None:
         """Restore the latest (or the named) checkpoint, then push the actor's weights to the engine:
@@ -438,8 +444,10 @@ class DAPOTrainer:
             self.loss_history = [(int(s), float(v)) for s, v in state["loss_history"]]
             log.info("resumed from %s at step %d", path, self.global_step)
         inflight = ckpt.load_inflight(root) if os.path.isdir(root) else None
-        if inflight is not None and int(inflight["step"]) == self.global_step + 1:
-            self.buffer.load_state_dict(inflight["buffer"])
-            self.p.sampler.load_state_dict(inflight["sampler"])
+        if inflight is not None and int(inflight[0]["step"]) == self.global_step + 1:
+            state, parts = inflight
+            self.buffer.load_state_dict({**state["buffer"], "kept": parts})
+            self.p.sampler.load_state_dict(state["sampler"])
+            self._inflight_parts = len(parts)
             log.info("restored %d kept groups of step %d from %s", self.buffer.num_prompts, self.global_step + 1,
                      ckpt.INFLIGHT)

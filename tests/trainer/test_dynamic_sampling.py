@@ -88,3 +88,34 @@ def test_aborted_responses_do_not_make_a_group_informative():
                  aborted=frozenset({("a", 3), ("c", 0), ("c", 1), ("c", 2), ("c", 3)})))
     batch, m = b.take()
     assert batch.rollout.index == ["b"] * 4 and m["train/num_dropped_groups"] == 2.0
+
+
+def test_inflight_parts_are_written_once_ragged_and_restore_the_buffer(tmp_path):
+    """Each generation batch's kept groups go to disk once (a later save writes only the new part and the
+    counters), as real tokens only (the file does not grow with max_response_length), and load back into
+    a buffer that takes the same batch."""
+    from megatron_dapo.trainer import checkpoint as ckpt
+
+    b = buf(train_batch_size=3)
+    b.add(scored({"a": [1, 0], "b": [1, 1]}, T=4096))
+    ckpt.save_inflight(str(tmp_path), {"step": 5, "buffer": b.counters()}, b.parts(0), first=0)
+    part0 = tmp_path / ckpt.INFLIGHT / "part_0.pt"
+    before = part0.stat()
+    assert before.st_size < 8192  # 2 rows x 4096 wide as dense int64 + fp32 would be 48 KiB
+    b.add(scored({"c": [0, 1]}, T=4096))
+    ckpt.save_inflight(str(tmp_path), {"step": 5, "buffer": b.counters()}, b.parts(1), first=1)
+    after = part0.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
+    state, parts = ckpt.load_inflight(str(tmp_path))
+    assert state["step"] == 5 and state["num_parts"] == 2 and len(parts) == 2
+    restored = buf(train_batch_size=3)
+    restored.load_state_dict({**state["buffer"], "kept": parts})
+    for x in (b, restored):
+        x.add(scored({"d": [0, 1]}, T=4096))
+    (b1, m1), (b2, m2) = b.take(), restored.take()
+    assert b1.rollout.index == b2.rollout.index == ["a", "a", "c", "c", "d", "d"] and m1 == m2
+    for name in ("responses", "rollout_log_probs", "response_mask", "response_length", "prompt_ids"):
+        assert torch.equal(getattr(b1.rollout, name), getattr(b2.rollout, name)), name
+    # a new step starts from a clean directory: the old step's parts are gone
+    ckpt.save_inflight(str(tmp_path), {"step": 6, "buffer": buf().counters()}, [], first=0)
+    assert not part0.exists() and ckpt.load_inflight(str(tmp_path))[0]["num_parts"] == 0

@@ -64,7 +64,7 @@ def test_two_steps_write_design_metrics_dumps_and_a_checkpoint(tmp_path, capsys)
     assert scalars["reward/overlong_penalty/min"][1] == pytest.approx(min(penalty), abs=1e-6)
     ckpt = tmp_path / "e2e/ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    assert (ckpt / "global_step_2/trainer_state.pt").exists() and not (ckpt / "inflight.pt").exists()
+    assert (ckpt / "global_step_2/trainer_state.pt").exists() and not (ckpt / "inflight").exists()
 
 
 def _dumped_uids(dump_dir: pathlib.Path, step: int) -> list[str]:
@@ -101,7 +101,7 @@ class _Crash(Exception):
 
 
 def test_crash_between_generation_batches_resumes_without_regenerating(tmp_path, monkeypatch):
-    """The kept groups of a half-collected step are restored from inflight.pt: the resumed step
+    """The kept groups of a half-collected step are restored from inflight/: the resumed step
     trains on exactly the batch of the uninterrupted run."""
     from megatron_dapo.trainer import fit
 
@@ -121,7 +121,7 @@ def test_crash_between_generation_batches_resumes_without_regenerating(tmp_path,
     monkeypatch.setattr(fit.DAPOTrainer, "_save_inflight", crash_after_saving)
     with pytest.raises(_Crash):
         run(_cfg(tmp_path / "b", *extra))
-    assert (tmp_path / "b/c/ckpt/inflight.pt").exists()
+    assert (tmp_path / "b/c/ckpt/inflight/state.pt").exists()
     monkeypatch.setattr(fit.DAPOTrainer, "_save_inflight", real)
     generated = []
     real_generate = fit.stages.generate
