@@ -62,9 +62,19 @@ Actor state per GPU (as `workers/build.py` builds it):
 Rollout engine:
   sglang      weights 2 B * params / rollout TP (bf16); SGLang sizes its KV pool so that the GPU's
               used memory reaches gpu_memory_utilization x GPU: KV = frac*GPU - weights - what else
-              is resident. Colocated, the training state (params, grads, optimizer, reference) stays
-              resident during rollout, so it comes out of the KV pool; SGLang releases its memory
-              during training, so the peak is max(training, rollout), not the sum. KV capacity in
+              is resident. Colocated, the trainer's steady state stays resident during rollout, so it
+              comes out of the KV pool: params, grads, optimizer (unless actor.offload_optimizer moves
+              it to the host while the servers run), reference, and the overhead reserve (the trainer's
+              CUDA context, NCCL buffers and what its allocator cannot return after the
+              gc.collect + empty_cache that precede every resume). SGLang measures free memory once,
+              at launch, before the first optimizer step: the trainer then holds params, grads, the
+              fp32 master copy (4 of the 12 B of a bf16 parameter's optimizer state; Adam's moments
+              come with the first step) and the overhead, so an unplanned pool would be larger by the
+              moments (and the optimizer, when offloaded, is not subtracted either), and that much
+              would come out of SGLang's runtime reserve once training runs. The launch therefore
+              caps the pool at the steady-state figure (--max-total-tokens, rollout.server_max_total_tokens
+              when null); a cap only lowers SGLang's own sizing, so the pool is the smaller of the two. SGLang releases its memory during training, so the peak is max(training,
+              rollout), not the sum. KV capacity in
               tokens = KV / (2 * layers * ceil(kv_heads / rollout TP) * head_dim * 2 B), layers
               including the MTP layers when speculative decoding is on. It must hold at least one
               full sequence (max_prompt_length + max_response_length).
@@ -186,7 +196,16 @@ class MemoryPlan:
     rollout_tp: int
     rollout_weights: int
     rollout_kv_cache: int
+    """The KV pool planned against the trainer's steady state (trainer_at_rollout)."""
     rollout_kv_tokens: int
+    rollout_kv_cache_at_launch: int
+    """The pool SGLang would size itself at launch (against trainer_at_launch), without the cap."""
+    rollout_kv_tokens_at_launch: int
+    trainer_at_rollout: int
+    """Colocated: what the trainer keeps on the GPU while the servers run (steady state); else 0."""
+    trainer_at_launch: int
+    """Colocated: what the trainer holds when the servers launch (before the first optimizer step); else 0."""
+    offload_optimizer: bool
     rollout_reserved: int
     """SGLang: gpu_memory_utilization x GPU; local engine: 0."""
     rollout_peak: int
@@ -215,7 +234,7 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
                 rollout_mode: str = "colocate", rollout_tp: int = 1, gpu_memory_utilization: float = 0.85,
                 speculative: bool = False, max_seq_len: int, rollout_sequences: int = 1,
                 gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB, bias_activation_fusion: bool = True,
-                gradient_accumulation_fusion: bool = True) -> MemoryPlan:
+                gradient_accumulation_fusion: bool = True, offload_optimizer: bool = False) -> MemoryPlan:
     """The memory plan (module docstring for every formula). Sizes in bytes.
 
     sequence_parallel None means on whenever TP > 1, as models/builder.py resolves it. The two fusion
@@ -277,7 +296,13 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
 
     ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
     busiest = max(ranks, key=lambda m: m["peak"])
-    resident = max(m["resident"] for m in ranks)     # the KV pool is smallest where most stays resident
+    colocated = rollout_engine == "sglang" and rollout_mode == "colocate"
+    master = 4 / opt_bytes if params_dtype == "bf16" else 0.0      # the fp32 master copy's share of the optimizer
+    # The KV pool is smallest where most stays resident.
+    at_rollout = max(m["params"] + m["grads"] + (0 if offload_optimizer else m["optimizer"]) + m["reference"]
+                     for m in ranks) + overhead if colocated else 0
+    at_launch = max(m["params"] + m["grads"] + math.ceil(m["optimizer"] * master) + m["reference"]
+                    for m in ranks) + overhead if colocated else 0
 
     total = sum(r.dense for r in count_shards(arch)) + sum(r.expert for r in count_shards(arch))
     kv_layers = arch.num_layers + (arch.mtp_num_layers if speculative else 0)
@@ -285,14 +310,16 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         weights = math.ceil(2 * total / rollout_tp)
         per_token = 2 * kv_layers * math.ceil(arch.num_query_groups / rollout_tp) * arch.head_dim * 2
         reserved = int(gpu_memory_utilization * gpu_memory)
-        kv = reserved - weights - (resident if rollout_mode == "colocate" else 0)
-        rollout_peak = max(reserved, weights + (resident if rollout_mode == "colocate" else 0))
+        kv_at_launch = reserved - weights - at_launch
+        # The cap only lowers SGLang's own sizing (an offloaded optimizer cannot raise the pool above it).
+        kv = min(reserved - weights - at_rollout, kv_at_launch)
+        rollout_peak = max(reserved, weights + at_rollout)
         rollout_tp_used = rollout_tp
     else:   # the actor's model samples: no second copy of the weights, a KV cache for every sequence
         weights, reserved, rollout_tp_used = 0, 0, tp
         per_token = 2 * kv_layers * math.ceil(arch.num_query_groups / tp) * arch.head_dim * p_bytes
-        kv = rollout_sequences * max_seq_len * per_token
-        rollout_peak = resident + kv + overhead
+        kv = kv_at_launch = rollout_sequences * max_seq_len * per_token
+        rollout_peak = max(m["resident"] for m in ranks) + kv + overhead
     return MemoryPlan(
         arch_name=arch.name, params_total=total, world_size=world_size, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep,
         etp=etp, expert_dp=expert_dp, gpu_memory=gpu_memory, overhead=overhead,
@@ -304,6 +331,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         reference_params=busiest["reference"], train_peak=busiest["peak"],
         rollout_engine=rollout_engine, rollout_mode=rollout_mode, rollout_tp=rollout_tp_used,
         rollout_weights=weights, rollout_kv_cache=kv, rollout_kv_tokens=max(kv, 0) // per_token,
+        rollout_kv_cache_at_launch=kv_at_launch, rollout_kv_tokens_at_launch=max(kv_at_launch, 0) // per_token,
+        trainer_at_rollout=at_rollout, trainer_at_launch=at_launch, offload_optimizer=offload_optimizer,
         rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
         micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"])
 
@@ -345,7 +374,8 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
         rollout_sequences=cfg.data.effective_gen_batch_size * cfg.rollout.n,
         gpu_memory=int(gpu_memory_gib * GIB), overhead=int(overhead_gib * GIB),
         bias_activation_fusion=fusions["bias_activation_fusion"],
-        gradient_accumulation_fusion=fusions["gradient_accumulation_fusion"])
+        gradient_accumulation_fusion=fusions["gradient_accumulation_fusion"],
+        offload_optimizer=cfg.actor.offload_optimizer)
 
 
 # --- verdict and table -------------------------------------------------------------------------
@@ -367,13 +397,12 @@ def check_fits(plan: MemoryPlan) -> None:
             f"overhead {_g(plan.overhead)}")
     if plan.rollout_engine == "sglang":
         if plan.rollout_kv_tokens < plan.max_seq_len:
-            resident = plan.resident_train_state if plan.rollout_mode == "colocate" else 0
             problems.append(
                 f"rollout KV cache holds {plan.rollout_kv_tokens} tokens < one sequence of "
                 f"{plan.max_seq_len}: "
                 f"gpu_memory_utilization share {_g(plan.rollout_reserved)} - weights "
-                f"{_g(plan.rollout_weights)} (rollout TP {plan.rollout_tp}) - resident training state "
-                f"{_g(resident)} = {_g(plan.rollout_kv_cache)}")
+                f"{_g(plan.rollout_weights)} (rollout TP {plan.rollout_tp}) - trainer resident during rollout "
+                f"{_g(plan.trainer_at_rollout)} = {_g(plan.rollout_kv_cache)}")
     elif plan.rollout_peak > plan.gpu_memory:
         problems.append(
             f"rollout (local engine) needs {_g(plan.rollout_peak)} > GPU {_g(plan.gpu_memory)}: training "
@@ -410,12 +439,21 @@ def format_plan(plan: MemoryPlan) -> str:
         ("= training peak", plan.train_peak, ""),
     ]
     if plan.rollout_engine == "sglang":
+        rows += [("rollout weights", plan.rollout_weights, f"SGLang, bf16, TP {plan.rollout_tp}")]
+        if plan.rollout_mode == "colocate":
+            optimizer = "optimizer on the host (offload_optimizer)" if plan.offload_optimizer else "optimizer"
+            rows += [("trainer at rollout", plan.trainer_at_rollout,
+                      f"steady state after empty_cache: params, grads, {optimizer}, reference, overhead")]
         rows += [
-            ("rollout weights", plan.rollout_weights, f"SGLang, bf16, TP {plan.rollout_tp}"),
             ("rollout KV cache", plan.rollout_kv_cache,
-             f"{plan.rollout_kv_tokens:,} tokens (one sequence: {plan.max_seq_len:,})"),
-            ("rollout reserved", plan.rollout_reserved, f"gpu_memory_utilization x GPU, {plan.rollout_mode}"),
+             f"{plan.rollout_kv_tokens:,} tokens (one sequence: {plan.max_seq_len:,})"
+             + ("; the launch caps the pool at this (--max-total-tokens)" if plan.rollout_mode == "colocate" else "")),
         ]
+        if plan.rollout_mode == "colocate":
+            rows += [("  unplanned at launch", plan.rollout_kv_cache_at_launch,
+                      f"{plan.rollout_kv_tokens_at_launch:,} tokens: the pool SGLang would size before the first "
+                      f"optimizer step (trainer {_g(plan.trainer_at_launch)})")]
+        rows += [("rollout reserved", plan.rollout_reserved, f"gpu_memory_utilization x GPU, {plan.rollout_mode}")]
     else:
         rows += [("rollout KV cache", plan.rollout_kv_cache,
                   f"local engine, {plan.rollout_kv_tokens:,} tokens")]

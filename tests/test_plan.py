@@ -160,12 +160,31 @@ def test_optimizer_bytes_per_param_and_distributed_sharding():
     assert fp32.actor_optimizer == 8 * n and fp32.actor_params == 4 * n  # params are the master copy
 
 
-def test_colocated_kv_pool_shrinks_by_resident_training_state():
+def test_colocated_kv_pool_shrinks_by_the_trainers_steady_state():
+    """Colocated, the pool is planned against what the trainer keeps between steps (its state plus the
+    overhead reserve: CUDA context, NCCL, allocator remainder); SGLang would size it at launch against
+    less (before the first step only the fp32 master copy of the optimizer exists)."""
     colo, disagg = _small_plan(rollout_mode="colocate"), _small_plan(rollout_mode="disaggregate")
-    assert disagg.rollout_kv_cache - colo.rollout_kv_cache == colo.resident_train_state
+    assert colo.trainer_at_rollout == colo.resident_train_state + colo.overhead
+    assert disagg.rollout_kv_cache - colo.rollout_kv_cache == colo.trainer_at_rollout
+    n = colo.params_per_gpu
+    assert colo.trainer_at_launch == 2 * n + 4 * n + math.ceil(colo.actor_optimizer / 3) + colo.overhead
+    assert colo.rollout_kv_cache_at_launch - colo.rollout_kv_cache == colo.actor_optimizer - math.ceil(
+        colo.actor_optimizer / 3)  # Adam's m and v, which come with the first optimizer step
+    assert disagg.trainer_at_rollout == disagg.trainer_at_launch == 0
     # KV per token: 2 (K, V) x 2 layers x 1 KV head x head_dim 4 x 2 B = 32 B.
     assert disagg.rollout_kv_tokens == (int(0.5 * GIB) - disagg.rollout_weights) // 32
     assert colo.peak == max(colo.train_peak, colo.rollout_peak)
+
+
+def test_offloaded_optimizer_leaves_the_kv_pool_while_the_servers_run():
+    kept, offloaded = _small_plan(rollout_mode="colocate"), _small_plan(rollout_mode="colocate",
+                                                                        offload_optimizer=True)
+    # The pool is the smaller of the steady-state figure and SGLang's own sizing at launch.
+    assert offloaded.rollout_kv_cache == min(kept.rollout_kv_cache + kept.actor_optimizer,
+                                             kept.rollout_kv_cache_at_launch) > kept.rollout_kv_cache
+    assert offloaded.train_peak == kept.train_peak  # training still holds it
+    assert "optimizer on the host (offload_optimizer)" in format_plan(offloaded)
 
 
 @pytest.mark.parametrize("recipe", SHIPPED)
@@ -198,7 +217,7 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
                "actor.use_distributed_optimizer=false", "actor.use_kl_loss=true",
                "rollout.mode=disaggregate", "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
                "rollout.gpu_memory_utilization=0.7", "actor.max_tokens_per_microbatch=30000",
-               "parallel.sequence_parallel=true")
+               "parallel.sequence_parallel=true", "actor.offload_optimizer=true")
     assert plan_from_config(cfg, arch=get_arch("qwen3-30b-a3b"), gpu_memory_gib=96, overhead_gib=2) == "plan"
     assert seen == dict(
         world_size=128, tp=2, pp=1, cp=1, ep=8, etp=1, vpp=None, sequence_parallel=True, params_dtype="bf16",
@@ -207,7 +226,8 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
         rollout_engine="sglang",
         rollout_mode="disaggregate", rollout_tp=4, gpu_memory_utilization=0.7, speculative=True,
         max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB,
-        bias_activation_fusion=True, gradient_accumulation_fusion=True)     # TE's defaults
+        bias_activation_fusion=True, gradient_accumulation_fusion=True,     # TE's defaults
+        offload_optimizer=True)
     seen.clear()
     plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "model.bias_activation_fusion=false"),
                      arch=get_arch("qwen3-30b-a3b"))

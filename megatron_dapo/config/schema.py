@@ -228,6 +228,8 @@ class ActorConfig:
     """The fused clipped-loss kernel (Triton on CUDA, chunked torch on CPU); None = on for CUDA. Log-probs, entropy and sum p^2 always come from the fused log-prob kernel, at real response tokens only. [recipe: actor_rollout_ref.model.use_fused_kernels]"""
     use_distributed_optimizer: bool | None = None
     """Megatron's distributed optimizer (ZeRO-1); None = on for CUDA, off on CPU."""
+    offload_optimizer: bool = False
+    """Colocated SGLang: move the optimizer state (Adam moments, fp32 master copy) to host memory while the servers run, and back before the update; the servers' KV pool grows by up to that much (not beyond what SGLang sizes at launch; python -m megatron_dapo.plan shows both), and each step pays two copies of it between GPU and host."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
     router_replay: bool = False
@@ -357,7 +359,7 @@ class RolloutConfig:
     server_attention_backend: str = ""
     """--attention-backend of the servers this trainer launches (fa3, flashinfer, triton, torch_native, ...); empty = SGLang's choice for the device and model."""
     server_max_total_tokens: int | None = None
-    """--max-total-tokens: the KV pool of each server this trainer launches, in tokens; null = sized from rollout.gpu_memory_utilization (on CPU SGLang sizes it from the host's RAM: set it there)."""
+    """--max-total-tokens: the KV pool of each server this trainer launches, in tokens; null = colocated GPU servers get the memory planner's pool beside the trainer's steady state (python -m megatron_dapo.plan), others size it from rollout.gpu_memory_utilization (on CPU SGLang sizes it from the host's RAM: set it there)."""
     server_env: list[str] = field(default_factory=list)
     """KEY=VALUE environment settings of the servers this trainer launches (e.g. SGLANG_USE_CPU_ENGINE=1, which SGLang needs for server_device=cpu)."""
     server_extra_args: list[str] = field(default_factory=list)

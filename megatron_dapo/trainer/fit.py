@@ -41,6 +41,7 @@ from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
 from megatron_dapo.trainer.preemption import Preempted, PreemptionWatch
 from megatron_dapo.trainer.validate import validate
+from megatron_dapo.workers import memory
 from megatron_dapo.workers.batch import select_record
 
 if TYPE_CHECKING:  # annotations only: importing these here would load Megatron for every trainer import
@@ -154,6 +155,7 @@ class DAPOTrainer:
             batch, metrics = self._collect(step, timer)  # gen + reward + dynamic sampling
             if self.colocated_servers:  # SGLang on the trainer's GPUs: free its weights and KV cache
                 self.p.engine.release_memory()
+                memory.reclaim_for_training(self.p.actor.offload)  # the optimizer back (actor.offload_optimizer)
             if batch is not None:
                 metrics.update(self._train_on(batch, step, timer))
             metrics.update(self.sync_weights(step) or {})  # rollout.speculative.auto reports here

@@ -122,14 +122,37 @@ def _restarter(servers):
     return lambda url: by_url[url]()
 
 
-def sglang_launch_plan(cfg: Config):
+def planned_kv_tokens(cfg: Config, *, gpu_memory_gib: float | None, vocab_size: int = 0) -> int | None:
+    """--max-total-tokens of colocated GPU servers when rollout.server_max_total_tokens is null: the KV pool
+    the planner gives them beside the trainer's steady state (plan.py). SGLang sizes its pool from the
+    memory free at launch, before the first optimizer step, which is more than stays free once training
+    runs; the cap keeps the difference out of SGLang's runtime reserve. None: no cap (not colocated,
+    CPU servers, a value given, or no GPU to plan for)."""
+    r = cfg.rollout
+    if (r.mode != "colocate" or r.server_max_total_tokens is not None or r.server_device not in ("", "cuda")
+            or not gpu_memory_gib):
+        return None
+    from megatron_dapo.plan import plan_from_config
+    from megatron_dapo.workers.model_arch import model_arch
+
+    plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=vocab_size), gpu_memory_gib=gpu_memory_gib)
+    log.info("colocated SGLang KV pool: %d tokens per server (planned beside the trainer's steady state of "
+             "%.2f GiB; %d tokens if sized at launch)", plan.rollout_kv_tokens, plan.trainer_at_rollout / 2**30,
+             plan.rollout_kv_tokens_at_launch)
+    return max(plan.rollout_kv_tokens, 1)
+
+
+def sglang_launch_plan(cfg: Config, *, gpu_memory_gib: float | None = None, vocab_size: int = 0):
     """What `_launch_sglang` starts: (one SGLangServerSpec per server, the launcher argv prefix, the extra
     environment or None). One server per rollout.tensor_model_parallel_size GPUs, every flag from the
-    config: the same code path starts CPU servers in the tests and GPU servers on the cluster."""
+    config: the same code path starts CPU servers in the tests and GPU servers on the cluster.
+    gpu_memory_gib: the GPUs' memory, for the KV cap of colocated servers (planned_kv_tokens)."""
     from megatron_dapo.rollout.sglang.server import SGLangServerSpec
     from megatron_dapo.rollout.sglang.versions import SERVER_RESERVED_TOKENS
 
     r, spec = cfg.rollout, cfg.rollout.speculative
+    max_total_tokens = r.server_max_total_tokens or planned_kv_tokens(cfg, gpu_memory_gib=gpu_memory_gib,
+                                                                      vocab_size=vocab_size)
     n = max(cfg.trainer.world_size // r.tensor_model_parallel_size, 1)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer and not cfg.data.tokenizer.startswith("builtin:") else None
     specs = [SGLangServerSpec(
@@ -143,7 +166,7 @@ def sglang_launch_plan(cfg: Config):
         deterministic_inference=r.deterministic_inference,
         context_length=cfg.data.max_prompt_length + cfg.data.max_response_length + SERVER_RESERVED_TOKENS,
         device=r.server_device or None, attention_backend=r.server_attention_backend or None,
-        max_total_tokens=r.server_max_total_tokens, extra_args=tuple(r.server_extra_args),
+        max_total_tokens=max_total_tokens, extra_args=tuple(r.server_extra_args),
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
         speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
         for i in range(n)]
@@ -166,7 +189,8 @@ def _launch_sglang(cfg: Config) -> list:
     if cfg.trainer.nnodes > 1 and not on_ray:
         raise ValueError("with trainer.nnodes > 1 the SGLang servers are placed on the Ray cluster (RAY_ADDRESS) "
                          "or given by rollout.sglang_urls")
-    specs, launcher, env = sglang_launch_plan(cfg)
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    specs, launcher, env = sglang_launch_plan(cfg, gpu_memory_gib=gib)
     log_dir = os.path.join(cfg.run_dir, "sglang")
     if on_ray:
         from megatron_dapo.rollout.sglang.placement import place_sglang_servers
@@ -278,6 +302,7 @@ def _sglang_push(cfg: Config, parts):
     """The plain SGLang sync (weight_sync) for servers of cfg's speculative mode."""
     from megatron_dapo.models.forward import unwrap_model
     from megatron_dapo.rollout.sglang.sync import MIB, SGLangWeightSync, WeightSyncError
+    from megatron_dapo.workers.memory import free_for_rollout
     from megatron_dapo.workers.model_arch import model_arch
 
     r, pgs, engine = cfg.rollout, parts.pgs, parts.engine
@@ -311,9 +336,12 @@ def _sglang_push(cfg: Config, parts):
         # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
         # fed again), the same list on every rank; AllServersDown on every rank when none answers.
         targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
-        # Colocated servers free their memory while the actor trains (fit); verl's order around the sync:
+        # Colocated servers free their memory while the actor trains (fit); every rank first gives back
+        # what the servers were planned without (workers/memory.py), then verl's order around the sync:
         # weights back first, the sync, then the KV cache (the cache is not needed to load weights).
+        held = {}
         if colocated:
+            held = free_for_rollout(parts.actor.offload)
             engine.resume_memory(["weights"])
         stats = sync.sync(version, targets)
         if colocated:
@@ -323,9 +351,9 @@ def _sglang_push(cfg: Config, parts):
                  version, stats.tensors, stats.buckets, stats.bytes_sent / MIB, stats.bytes_gathered / MIB,
                  stats.seconds)
         if not pooled:
-            return {}
+            return held
         counts = engine._on_rank0(lambda: _confirmed(engine.engine, targets, version))
-        return {f"rollout/{name}": float(v) for name, v in counts.items()}
+        return {**held, **{f"rollout/{name}": float(v) for name, v in counts.items()}}
 
     push.sync = sync  # for tests and the trainer's metrics
     return push

@@ -51,6 +51,7 @@ class Actor:
         self.cfg, self.loss_fn, self.n, self.balance_batch = cfg, loss_fn, n, balance_batch
         self.bypass_correction = bypass_correction
         self.pgs = policy.pgs
+        self.offload = None  # workers.memory.OptimizerOffload with actor.offload_optimizer (colocated SGLang)
 
     def compute_log_prob(self, *args, **kwargs) -> LogProbs:
         return self.policy.compute_log_prob(*args, **kwargs)

@@ -114,8 +114,13 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
                            router_replay=a.router_replay)
     name = _loss_name(cfg)
     loss_fn = _fused_vanilla_loss if use_fused_kernels(cfg, pgs) and name == "vanilla" else get_policy_loss_fn(name)
-    return Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a, loss_fn=loss_fn, n=cfg.rollout.n,
-                 balance_batch=cfg.trainer.balance_batch, bypass_correction=_bypass_correction(cfg))
+    actor = Actor(policy, optimizer=optimizer, scheduler=scheduler, cfg=a, loss_fn=loss_fn, n=cfg.rollout.n,
+                  balance_batch=cfg.trainer.balance_batch, bypass_correction=_bypass_correction(cfg))
+    if a.offload_optimizer:
+        from megatron_dapo.workers.memory import OptimizerOffload
+
+        actor.offload = OptimizerOffload(optimizer, masters=cfg.model.params_dtype == "bf16")
+    return actor
 
 
 def _policy_model(cfg: Config, chunks: list, pgs, *, pad_id: int, vocab_size: int, router_replay: bool) -> PolicyModel:

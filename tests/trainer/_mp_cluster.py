@@ -5,8 +5,10 @@
 Runs `fit` as `python -m megatron_dapo.train` would (build_trainer), and after every weight sync checks
 that every HF tensor at every TP rank of every server equals the actor's own HF export of that step
 (sha256 of the bytes; the export is gathered over TP / PP / EP to its writer ranks, then to rank 0).
-Writes OUT/report.json (rank 0: per sync, the tensors compared and the mismatches) and
-OUT/sync_stats.rank<r>.json (per sync: seconds, buckets, tensors sent, bytes sent and gathered).
+Writes OUT/report.json (rank 0: per sync, the tensors compared and the mismatches),
+OUT/sync_stats.rank<r>.json (per sync: seconds, buckets, tensors sent, bytes sent and gathered) and
+OUT/memory_events.rank<r>.json (the rank's colocation memory calls in order: the servers' release and
+resume as the rank made them, the optimizer's offload / reload and steps, gc.collect, empty_cache).
 """
 
 import json
@@ -66,10 +68,44 @@ def fit_and_report(trainer, out: str, **rank0_files) -> None:
         dist.barrier(group=pgs.ctrl)
 
 
+def record_memory_calls(events: list) -> None:
+    """Append each colocation memory call of this process to `events`, in the order made (patched before
+    the trainer is built, since the weight push binds free_for_rollout then)."""
+    from megatron_dapo.rollout.rank0 import RankZeroEngine
+    from megatron_dapo.workers import memory
+
+    def wrap(owner, name, label):
+        real = getattr(owner, name)
+
+        def recorded(*args, **kwargs):
+            events.append(label(*args, **kwargs) if callable(label) else label)
+            return real(*args, **kwargs)
+
+        setattr(owner, name, recorded)
+
+    def effective(verb, want_released):
+        def label(engine, tags=None):
+            tags = [t for t in (tags or engine.MEMORY_TAGS) if (t in engine.released) == want_released]
+            return f"{verb}:{','.join(tags)}" if tags else f"{verb}:none"
+        return label
+
+    wrap(RankZeroEngine, "release_memory", effective("release", False))
+    wrap(RankZeroEngine, "resume_memory", effective("resume", True))
+    wrap(memory.OptimizerOffload, "offload", "offload")
+    wrap(memory.OptimizerOffload, "reload", "reload")
+    wrap(memory, "empty_cache", "empty_cache")
+    gc_collect = memory.gc.collect
+    memory.gc = type("RecordedGC", (), {"collect": staticmethod(lambda: events.append("gc.collect") or gc_collect())})
+
+
 def main(out: str, overrides: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config("configs/tiny_cpu.yaml", overrides + [f"trainer.output_dir={out}"])
+    events: list = []
+    record_memory_calls(events)
     trainer = build_trainer(cfg)
+    optimizer_step = trainer.p.actor.optimizer.step
+    trainer.p.actor.optimizer.step = lambda *a, **k: events.append("optimizer.step") or optimizer_step(*a, **k)
     pgs, urls = trainer.p.pgs, list(cfg.rollout.sglang_urls)
     sync = trainer.sync_weights.sync
     stats, report = [], []
@@ -105,6 +141,8 @@ def main(out: str, overrides: list[str]) -> None:
         close_parts(trainer.p)
     with open(f"{out}/sync_stats.rank{pgs.rank}.json", "w") as f:
         json.dump(stats, f)
+    with open(f"{out}/memory_events.rank{pgs.rank}.json", "w") as f:
+        json.dump(events, f)
     if pgs.rank == 0:
         with open(f"{out}/report.json", "w") as f:
             json.dump(report, f, indent=1)

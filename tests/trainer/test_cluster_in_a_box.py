@@ -111,10 +111,19 @@ def dense(tmp_path_factory):
 def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(dense):
     tmp, hf_dir, urls, servers = dense
     layout = ["trainer.n_gpus_per_node=4", "parallel.tensor_model_parallel_size=2",
-              "parallel.pipeline_model_parallel_size=2"]
+              "parallel.pipeline_model_parallel_size=2", "actor.offload_optimizer=true"]
     port = 29400 + os.getpid() % 100
     scalars, report, stats = _launch(tmp / "full", _overrides(hf_dir, urls, *layout), 4, port)
     _check_every_step(scalars, report, [1, 2, 3])
+    # Every rank, every step: the servers release, the optimizer comes back, the update's two optimizer
+    # steps, then the optimizer goes to the host, gc.collect and empty_cache, and only then the servers
+    # resume their weights and, after the sync, their KV cache (the start-up sync: nothing to resume).
+    step = ["release:weights,kv_cache", "reload", "optimizer.step", "optimizer.step",
+            "offload", "gc.collect", "empty_cache", "resume:weights", "resume:kv_cache"]
+    for rank in range(4):
+        events = json.loads((tmp / f"full/memory_events.rank{rank}.json").read_text())
+        assert [e for e in events if not e.endswith(":none")] == ["offload", "gc.collect", "empty_cache"] + 3 * step, (
+            rank, events)
     n_tensors = report[0]["expected"]
     # Two stage senders (ranks 0 and 2) between them send every tensor; ranks 1 and 3 only their TP shards.
     sent = [sum(s["tensors"] for s in per_rank) for per_rank in stats]
