@@ -57,8 +57,15 @@ class OptimizerOffload:
                                (lambda t, s=state, k=name: s.__setitem__(k, t)))
 
     def offload(self) -> int:
-        """Every state tensor on an accelerator to the host; the bytes moved."""
+        """Every state tensor on an accelerator to the host; the bytes moved. The masters' .grad are
+        dropped first: the next step fills them from the model's gradient buffer anew (Megatron's
+        zero_grad sets them to None before each mini-batch anyway)."""
         moved = 0
+        if self.masters:
+            for opt in _inner_optimizers(self.optimizer):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
         for key, get, put in self._slots():
             t = get()
             if t.device.type == "cpu":
