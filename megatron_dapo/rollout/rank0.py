@@ -6,17 +6,21 @@ watchdog fires while rank 0 waits minutes or hours on the servers). An error on 
 failed after its retries, a bad reply) is broadcast too: every rank raises the same `DriverError`,
 none is left waiting.
 
-Wire format of one generation batch (B rows, N response tokens in all), broadcast from rank 0:
-    header          [5] int64   status (0 ok, 1 error), B, N, meta bytes, error bytes
+Wire format of one generation batch (B rows, world ranks in the group), from rank 0:
+    broadcast to every rank:
+    header          [5] int64   status (0 ok, 1 error), B, 0, meta bytes, error bytes
     response_length [B] int64
-    tokens          [N] int64   the responses, concatenated (ragged: no padding on the wire)
-    log_probs       [N] float32
     policy_version  [B] int64
     finish          [B] int64   index into rollout.base.FINISH_REASONS
     meta            [.] uint8   JSON of the per-row engine meta (empty dicts for most engines)
     error           [.] uint8   "<type>: <message>" when status is 1
-Prompts are not sent: every rank holds the same prompts (the sampler is deterministic), so each rank
-rebuilds prompt ids, prompt lengths, sample indices and group ids itself.
+    sent to rank k only (point to point), for its rows r = k, k + world, ... (the rows it scores):
+    tokens          [N_k] int64   their responses, concatenated (ragged: no padding)
+    log_probs       [N_k] float32
+Every rank returns the batch with ragged token fields (rollout/ragged.py): rank 0 every row, rank k
+its own rows, so its host memory follows rows / world and their real tokens. Prompts are not sent:
+every rank holds the same prompts (the sampler is deterministic), so each rank rebuilds prompt ids,
+prompt lengths, sample indices and group ids itself.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_generate_inputs,
 )
+from megatron_dapo.rollout.ragged import RaggedRows, to_ragged
 
 
 class DriverError(RolloutEngineError):
@@ -54,62 +59,71 @@ def _text(t: torch.Tensor) -> str:
 
 
 def encode_batch(batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    """The ragged wire tensors of a batch (rank 0's side)."""
-    lengths = batch.response_length.to(torch.int64)
-    keep = batch.response_mask.bool()
-    return {"response_length": lengths, "tokens": batch.responses[keep].to(torch.int64).contiguous(),
-            "log_probs": batch.rollout_log_probs[keep].to(torch.float32).contiguous(),
+    """The per-row wire tensors every rank receives (rank 0's side)."""
+    return {"response_length": batch.response_length.to(torch.int64),
             "policy_version": batch.policy_version.to(torch.int64),
             "finish": torch.tensor([FINISH_REASONS.index(f) for f in batch.finish_reason], dtype=torch.int64),
             "meta": _bytes_tensor(json.dumps(batch.meta) if any(batch.meta) else "")}
 
 
+def rows_of(rank: int, world: int, num_rows: int) -> torch.Tensor:
+    """The rows rank `rank` holds and scores: rank, rank + world, ..."""
+    return torch.arange(rank, num_rows, world, dtype=torch.long)
+
+
+def shard_tokens(batch: RolloutBatch, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The token entries of rank `rank`'s rows (a ragged batch holding every row, rank 0's side)."""
+    rows = rows_of(rank, world, len(batch))
+    return {"tokens": batch.responses.index_select(rows).values.to(torch.int64).contiguous(),
+            "log_probs": batch.rollout_log_probs.index_select(rows).values.to(torch.float32).contiguous()}
+
+
 def decode_batch(wire: dict[str, torch.Tensor], prompts: Sequence[PromptInput], n: int, *, pad_id: int,
-                 max_response_length: int) -> RolloutBatch:
-    """Rebuild the RolloutBatch from the wire tensors and this rank's own copy of the prompts."""
+                 max_response_length: int, rank: int = 0, world: int = 1) -> RolloutBatch:
+    """The ragged RolloutBatch of rank `rank` from the wire tensors (its own rows' tokens) and this rank's
+    copy of the prompts."""
     lengths = wire["response_length"]
-    B, T = lengths.numel(), max_response_length
+    B = lengths.numel()
     if B != len(prompts) * n:
         raise DriverError(f"rank 0 sent {B} rows for {len(prompts)} prompts x n={n}")
     rows = [prompts[b // n] for b in range(B)]
-    P = max(len(p.token_ids) for p in prompts)
-    prompt_ids = torch.full((B, P), pad_id, dtype=torch.int64)
-    for b, p in enumerate(rows):
-        prompt_ids[b, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.int64)
-    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
-    responses = torch.full((B, T), pad_id, dtype=torch.int64)
-    responses[mask] = wire["tokens"]
-    log_probs = torch.zeros(B, T, dtype=torch.float32)
-    log_probs[mask] = wire["log_probs"]
+    prompt_length = torch.tensor([len(p.token_ids) for p in rows], dtype=torch.int64)
+    prompt_ids = RaggedRows(torch.tensor([t for p in rows for t in p.token_ids], dtype=torch.int64), prompt_length,
+                            torch.ones(B, dtype=torch.bool), int(prompt_length.max()), pad_id)
+    present = torch.zeros(B, dtype=torch.bool)
+    present[rows_of(rank, world, B)] = True
     finish = [FINISH_REASONS[int(i)] for i in wire["finish"]]
     meta_text = _text(wire["meta"])
     return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_length=torch.tensor([len(p.token_ids) for p in rows], dtype=torch.int64),
-        responses=responses, response_mask=mask.to(torch.float32), rollout_log_probs=log_probs,
+        prompt_ids=prompt_ids, prompt_length=prompt_length,
+        responses=RaggedRows(wire["tokens"], lengths.clone(), present, max_response_length, pad_id),
+        response_mask=None,
+        rollout_log_probs=RaggedRows(wire["log_probs"], lengths.clone(), present.clone(), max_response_length, 0.0),
         response_length=lengths.clone(), sample_index=torch.arange(B, dtype=torch.int64) % n,
         policy_version=wire["policy_version"].clone(), aborted=torch.tensor([f == "abort" for f in finish]),
         finish_reason=finish, index=[p.prompt_id for p in rows],
         meta=json.loads(meta_text) if meta_text else [{} for _ in range(B)])
 
 
-_ORDER = ("response_length", "tokens", "log_probs", "policy_version", "finish", "meta")
+_ORDER = ("response_length", "policy_version", "finish", "meta")
 
 
 def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, rank: int, prompts, n: int,
                     pad_id: int, max_response_length: int) -> RolloutBatch:
-    """Rank 0 passes its batch (or the error text), every other rank None; all return the same batch or
-    raise the same DriverError."""
+    """Rank 0 passes its batch (or the error text), every other rank None; all return their ragged batch
+    (module docstring) or raise the same DriverError."""
     src = dist.get_global_rank(group, 0)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     if rank == src:
+        batch = to_ragged(batch, pad_id=pad_id) if error is None else None
         wire = encode_batch(batch) if error is None else {}
         err = _bytes_tensor(error or "")
-        header = torch.tensor([int(error is not None), len(batch) if error is None else 0,
-                               int(wire["tokens"].numel()) if error is None else 0,
+        header = torch.tensor([int(error is not None), len(batch) if error is None else 0, 0,
                                int(wire["meta"].numel()) if error is None else 0, err.numel()], dtype=torch.int64)
     else:
         header = torch.zeros(5, dtype=torch.int64)
     dist.broadcast(header, src=src, group=group)
-    status, B, N, meta_n, err_n = (int(x) for x in header)
+    status, B, _, meta_n, err_n = (int(x) for x in header)
     if status:
         if rank != src:
             err = torch.zeros(err_n, dtype=torch.uint8)
@@ -117,14 +131,25 @@ def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, ran
             dist.broadcast(err, src=src, group=group)
         raise DriverError(f"rollout on rank 0 failed: {_text(err)}")
     if rank != src:
-        shapes = {"response_length": (B, torch.int64), "tokens": (N, torch.int64), "log_probs": (N, torch.float32),
-                  "policy_version": (B, torch.int64), "finish": (B, torch.int64), "meta": (meta_n, torch.uint8)}
+        shapes = {"response_length": (B, torch.int64), "policy_version": (B, torch.int64),
+                  "finish": (B, torch.int64), "meta": (meta_n, torch.uint8)}
         wire = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
     for key in _ORDER:
         if wire[key].numel():
             dist.broadcast(wire[key], src=src, group=group)
-    return batch if rank == src else decode_batch(wire, prompts, n, pad_id=pad_id,
-                                                  max_response_length=max_response_length)
+    if rank == src:
+        for k in range(1, world):
+            for t in shard_tokens(batch, k, world).values():
+                if t.numel():
+                    dist.send(t, dst=dist.get_global_rank(group, k), group=group)
+        return batch
+    n_mine = int(wire["response_length"][rows_of(me, world, B)].sum())
+    wire["tokens"], wire["log_probs"] = torch.empty(n_mine, dtype=torch.int64), torch.empty(n_mine, dtype=torch.float32)
+    for key in ("tokens", "log_probs"):
+        if n_mine:
+            dist.recv(wire[key], src=src, group=group)
+    return decode_batch(wire, prompts, n, pad_id=pad_id, max_response_length=max_response_length, rank=me,
+                        world=world)
 
 
 class RankZeroEngine(RolloutEngine):
@@ -261,4 +286,4 @@ class RankZeroEngine(RolloutEngine):
             server.stop()
 
 
-__all__ = ["DriverError", "RankZeroEngine", "broadcast_batch", "decode_batch", "encode_batch"]
+__all__ = ["DriverError", "RankZeroEngine", "broadcast_batch", "decode_batch", "encode_batch", "rows_of"]

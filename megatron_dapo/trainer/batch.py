@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.rollout.base import RolloutBatch
+from megatron_dapo.rollout.ragged import RaggedRows
 from megatron_dapo.workers.batch import select_record
 
 
@@ -71,6 +72,12 @@ def _concat(records: list, pad_id: int):
         v0 = vals[0]
         if isinstance(v0, Tensor):
             out[f.name] = _pad_cat(vals, pad_id if f.name == "prompt_ids" else 0)
+        elif isinstance(v0, RaggedRows):
+            out[f.name] = RaggedRows.cat(vals)
+        elif v0 is None:
+            if any(v is not None for v in vals):
+                raise ValueError(f"cannot concatenate {f.name}: set in some records only")
+            out[f.name] = None
         elif isinstance(v0, list):
             out[f.name] = [x for v in vals for x in v]
         elif isinstance(v0, dict):

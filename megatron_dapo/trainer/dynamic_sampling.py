@@ -34,6 +34,7 @@ import torch
 
 from megatron_dapo.algos.dynamic_sampling import select_informative_groups
 from megatron_dapo.rollout.base import RolloutBatch, Sample
+from megatron_dapo.rollout.ragged import RAGGED_FIELDS, RaggedRows, to_ragged
 from megatron_dapo.trainer.batch import ScoredBatch, concat_scored, select_rows
 
 
@@ -78,6 +79,8 @@ class GroupBuffer:
         if batch is None:
             self.generated_tokens += generated_tokens or 0
             return
+        # Kept groups wait ragged (real tokens only; rows of other ranks absent): rollout/ragged.py.
+        batch = dataclasses.replace(batch, rollout=to_ragged(batch.rollout, pad_id=self.pad_id))
         lengths, live_t = batch.rollout.response_length, ~batch.rollout.aborted
         self.generated_tokens += int(lengths.sum()) if generated_tokens is None else generated_tokens
         self.finished_rows += int(live_t.sum())
@@ -119,7 +122,8 @@ class GroupBuffer:
         return False
 
     def take(self) -> tuple[ScoredBatch | None, dict[str, float]]:
-        """The training batch (trimmed to whole groups) and the step's dynamic-sampling metrics; resets."""
+        """The training batch (trimmed to whole groups, ragged: `ragged.share_kept_rows` completes it on
+        every rank) and the step's dynamic-sampling metrics; resets."""
         metrics = {"train/num_gen_batches": float(self.num_gen_batches),
                    "train/num_kept_prompts": float(self.num_prompts),
                    "train/num_dropped_groups": float(self.dropped_groups)}
@@ -171,7 +175,7 @@ class GroupBuffer:
         self.num_gen_batches = int(state["num_gen_batches"])
         self.num_prompts = int(state["num_prompts"])
         self.dropped_groups = int(state["dropped_groups"])
-        self._kept = [_scored_from_dict(d, self.pad_id) for d in state["kept"]]
+        self._kept = [_scored_from_dict(d) for d in state["kept"]]
         self.generated_tokens, self.cut_groups, self.finished_rows, self.finished_tokens = (
             int(x) for x in state["costs"])
 
@@ -209,33 +213,26 @@ def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]
     return [g for g, a in enumerate(aborted) if not a], [g for g, a in enumerate(aborted) if a]
 
 
-_RAGGED = ("responses", "rollout_log_probs")  # [B, T] fields stored as their rows' real tokens only
-
-
 def _scored_to_dict(b: ScoredBatch) -> dict[str, Any]:
-    """A ScoredBatch as tensors, lists and dicts; the [B, T] response fields ragged (a row's first
-    response_length entries, concatenated), the mask left out (it is response_length's)."""
+    """A ScoredBatch (ragged, every row present: rank 0's) as tensors, lists and dicts."""
     d = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "rollout"}
     rb = b.rollout
-    real = rb.response_mask.bool()
-    d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb)
-                    if f.name not in (*_RAGGED, "response_mask")}
-    if int(real.sum()) != int(rb.response_length.sum()):
-        raise ValueError("response_mask does not cover exactly each row's response_length tokens")
-    d["rollout"].update({name: getattr(rb, name)[real] for name in _RAGGED}, width=rb.responses.shape[1])
+    d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb) if f.name != "response_mask"}
+    for name in RAGGED_FIELDS:
+        rows: RaggedRows = d["rollout"][name]
+        if not rows.complete:
+            raise ValueError(f"cannot save {name}: rows of other ranks are absent (rank 0 saves the buffer)")
+        d["rollout"][name] = {"values": rows.values, "lengths": rows.lengths, "width": rows.width, "fill": rows.fill}
     return d
 
 
-def _scored_from_dict(d: dict[str, Any], pad_id: int) -> ScoredBatch:
+def _scored_from_dict(d: dict[str, Any]) -> ScoredBatch:
     fields = dict(d["rollout"])
-    width, lengths = int(fields.pop("width")), fields["response_length"]
-    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-    for name in _RAGGED:
-        flat = fields[name]
-        dense = torch.full((len(lengths), width), pad_id if name == "responses" else 0, dtype=flat.dtype)
-        dense[mask] = flat
-        fields[name] = dense
-    rollout = RolloutBatch(**fields, response_mask=mask.to(torch.float32))
+    for name in RAGGED_FIELDS:
+        r = fields[name]
+        fields[name] = RaggedRows(r["values"], r["lengths"], torch.ones(len(r["lengths"]), dtype=torch.bool),
+                                  int(r["width"]), r["fill"])
+    rollout = RolloutBatch(**fields, response_mask=None)
     rest = {k: v for k, v in d.items() if k != "rollout"}
     for k in ("scores", "rewards"):
         rest[k] = torch.as_tensor(rest[k])

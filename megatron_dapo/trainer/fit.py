@@ -14,6 +14,7 @@ are complete; the cut groups' prompts go back to the sampler's front (trainer/dy
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from megatron_dapo.metrics import (
     compute_variance_proxy_metrics,
 )
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.ragged import share_kept_rows
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
@@ -229,6 +231,8 @@ class DAPOTrainer:
             self._save_inflight(step)  # a crash from here on resumes without regenerating these groups
             self._stop_if_signalled(saved=False)
         batch, metrics = self.buffer.take()
+        if batch is not None:  # the kept rows, every one on every rank, dense for the actor's stages
+            batch = dataclasses.replace(batch, rollout=share_kept_rows(batch.rollout, group=p.pgs.ctrl))
         ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
         self._inflight_parts = 0
         return batch, metrics

@@ -23,6 +23,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     samples_to_batch,
 )
+from megatron_dapo.rollout.ragged import RaggedRows
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
 from megatron_dapo.workers.batch import PolicyBatch
 
@@ -66,6 +67,13 @@ def generate(engine: RolloutEngine, records: Sequence[PromptRecord], sampling: S
     return batch
 
 
+def response_tokens(rollout, i: int) -> Tensor:
+    """Row i's response tokens, from a dense or a ragged batch (rollout/ragged.py)."""
+    if isinstance(rollout.responses, RaggedRows):
+        return rollout.responses.row(i)
+    return rollout.responses[i, : int(rollout.response_length[i])]
+
+
 def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward_manager, group=None) -> ScoredBatch:
     """Decode the responses and run the reward manager (overlong shaping included).
 
@@ -76,11 +84,10 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     rows = [records[i // n] for i in range(len(rollout))]
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    mine = list(range(rank, len(rollout), world))
+    mine = list(range(rank, len(rollout), world))  # the rows rollout/rank0.py sent this rank
     # Only this rank's rows, and only their real tokens, become Python ints (the padded matrix as lists
     # would cost 40 B per element: ~19 GiB per rank at 24,576 x 20,480).
-    lengths = rollout.response_length.tolist()
-    texts = [tokenizer.decode(rollout.responses[i, : lengths[i]].tolist()) for i in mine]
+    texts = [tokenizer.decode(response_tokens(rollout, i).tolist()) for i in mine]
     shard: dict = {"rows": mine, "score": [], "reward": [], "extra": {}, "error": None}
     try:
         if mine:

@@ -40,14 +40,16 @@ class PolicyBatch:
 
 
 def select_record(record, rows):
-    """The rows `rows` of a frozen dataclass record: tensors index dim 0, lists and per-row dicts pick
-    entries, nested records recurse."""
+    """The rows `rows` of a frozen dataclass record: tensors index dim 0 (ragged rows their rows), lists
+    and per-row dicts pick entries, nested records recurse."""
     rows_t = torch.as_tensor(list(rows) if not isinstance(rows, Tensor) else rows, dtype=torch.long)
     out = {}
     for f in dataclasses.fields(record):
         v = getattr(record, f.name)
         if isinstance(v, Tensor):
             out[f.name] = v.index_select(0, rows_t)
+        elif hasattr(v, "index_select"):  # rollout.ragged.RaggedRows
+            out[f.name] = v.index_select(rows_t)
         elif isinstance(v, list):
             out[f.name] = [v[i] for i in rows_t.tolist()]
         elif isinstance(v, dict):

@@ -14,6 +14,7 @@ from megatron_dapo.data.dataset import PromptRecord
 from megatron_dapo.parallel import destroy_parallel, init_parallel
 from megatron_dapo.rewards.manager import RewardManager
 from megatron_dapo.rollout.base import PromptInput, RolloutEngine, Sample, SamplingParams
+from megatron_dapo.rollout.ragged import share_kept_rows
 from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import stages
 
@@ -72,7 +73,11 @@ def main(out_dir: str) -> None:
     sampling = SamplingParams(max_new_tokens=6, n=4)
     eng = RankZeroEngine(SlowEngine(delay_s=6.0) if rank == 0 else None, rank=rank, world_size=2, group=pgs.ctrl)
     batch = eng.generate_batch(prompts, sampling, pad_id=0, max_response_length=8)
-    torch.save({k: v for k, v in vars(batch).items()}, f"{out_dir}/batch{rank}.pt")
+    # Each rank holds the token entries of its own rows only (rank 0: every row), then all of them dense.
+    held = {"held_rows": batch.responses.present.nonzero().squeeze(1).tolist(),
+            "held_values": int(batch.responses.values.numel() + batch.rollout_log_probs.values.numel())}
+    shared = share_kept_rows(batch, group=pgs.ctrl)
+    torch.save({**{k: v for k, v in vars(shared).items()}, **held}, f"{out_dir}/batch{rank}.pt")
 
     failing = RankZeroEngine(SlowEngine(delay_s=0.5, fail=True) if rank == 0 else None, rank=rank, world_size=2,
                              group=pgs.ctrl)

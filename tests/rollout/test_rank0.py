@@ -12,21 +12,36 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import PromptInput, Sample, samples_to_batch
-from megatron_dapo.rollout.rank0 import decode_batch, encode_batch
+from megatron_dapo.rollout.ragged import AbsentRowError, to_dense, to_ragged
+from megatron_dapo.rollout.rank0 import decode_batch, encode_batch, rows_of, shard_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_wire_round_trip_rebuilds_the_batch_from_the_prompts():
+def test_wire_round_trip_gives_each_rank_its_own_rows_ragged():
     prompts = [PromptInput(prompt_id="a", token_ids=(5, 6)), PromptInput(prompt_id="b", token_ids=(7,))]
     samples = [Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
-                      response_token_ids=tuple(range(2 + j)), rollout_log_probs=tuple([-0.5] * (2 + j)),
+                      response_token_ids=tuple(range(2 + j)), rollout_log_probs=tuple([-0.5 - j] * (2 + j)),
                       finish_reason=("stop", "abort")[j], policy_version=3, meta={"k": j} if j else {})
                for p in prompts for j in range(2)]
     batch = samples_to_batch(samples, pad_id=0, max_response_length=5)
-    wire = encode_batch(batch)
-    assert wire["tokens"].numel() == int(batch.response_length.sum())  # ragged: no padding is sent
-    back = decode_batch(wire, prompts, 2, pad_id=0, max_response_length=5)
+    ragged = to_ragged(batch, pad_id=0)
+    for rank in (0, 1):
+        wire = {**encode_batch(ragged), **shard_tokens(ragged, rank, 2)}
+        mine = rows_of(rank, 2, len(batch))
+        assert wire["tokens"].numel() == int(batch.response_length[mine].sum())  # its rows, no padding
+        back = decode_batch(wire, prompts, 2, pad_id=0, max_response_length=5, rank=rank, world=2)
+        assert back.responses.present.tolist() == [r % 2 == rank for r in range(4)]
+        for r in mine.tolist():
+            n = int(batch.response_length[r])
+            assert torch.equal(back.responses.row(r), batch.responses[r, :n])
+            assert torch.equal(back.rollout_log_probs.row(r), batch.rollout_log_probs[r, :n])
+        with pytest.raises(AbsentRowError, match="not held"):
+            back.responses.row(1 - rank)
+        assert back.response_mask is None and torch.equal(back.prompt_ids.dense(), batch.prompt_ids)
+    # one process: every row, and the dense form is the engine's batch
+    wire = {**encode_batch(ragged), **shard_tokens(ragged, 0, 1)}
+    back = to_dense(decode_batch(wire, prompts, 2, pad_id=0, max_response_length=5))
     for name, value in vars(batch).items():
         got = getattr(back, name)
         assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, name
@@ -40,6 +55,10 @@ def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_r
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     b0, b1 = (torch.load(tmp_path / f"batch{k}.pt", weights_only=True) for k in (0, 1))
+    # rank 1 held its own rows' tokens only until the kept rows were shared
+    assert b0.pop("held_rows") == list(range(12)) and b1.pop("held_rows") == list(range(1, 12, 2))
+    held0, held1 = b0.pop("held_values"), b1.pop("held_values")
+    assert held1 == 2 * int(b0["response_length"][1::2].sum()) < held0 == 2 * int(b0["response_length"].sum())
     for name, value in b0.items():  # rank 0 waited 6 s in its engine; the default group times out after 3 s
         assert torch.equal(b1[name], value) if isinstance(value, torch.Tensor) else b1[name] == value, name
     assert b0["finish_reason"].count("abort") == 3 and b0["meta"][1] == {"spec_verify_ct": 1}

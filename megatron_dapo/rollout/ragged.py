@@ -1,0 +1,144 @@
+"""Ragged rows: a generation batch's token fields as real tokens only, and only the rows a rank needs.
+
+Between generation and the training batch (generate -> score -> dynamic sampling), a RolloutBatch's
+`prompt_ids`, `responses` and `rollout_log_probs` are `RaggedRows` (its `response_mask` is None then):
+row b is `values[offsets[b]:offsets[b] + lengths[b]]`, no padding, and a rank holds the entries of
+the rows it scores only (rollout/rank0.py sends row r to rank r % world; rank 0, which received them
+from the engine, holds every row). The lengths of every row are known everywhere, so the per-row
+decisions (scores, groups, dynamic sampling) need nothing else. `share_kept_rows` then gives every
+rank the rows of the training batch, as the dense [B, T] record the actor's stages consume.
+
+Host memory per rank therefore follows its share of the rows and their real tokens, not rows x
+max_response_length (benchmarks/bench_host_memory.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+RAGGED_FIELDS = {"prompt_ids": "prompt_length", "responses": "response_length",
+                 "rollout_log_probs": "response_length"}
+"""The token fields of a RolloutBatch that travel ragged, and the length field of each."""
+
+
+class AbsentRowError(LookupError):
+    """A row this rank does not hold was asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedRows:
+    """Rows of different lengths, some possibly absent on this rank."""
+
+    values: Tensor  # [sum of the present rows' lengths]
+    lengths: Tensor  # [B] int64, every row's length (absent rows too)
+    present: Tensor  # [B] bool
+    width: int  # the dense width (max_response_length, or the widest prompt)
+    fill: float  # dense padding (pad_id for tokens, 0 for log-probs)
+
+    def __post_init__(self):
+        held = int(self.lengths[self.present].sum())
+        if self.values.dim() != 1 or self.values.numel() != held:
+            raise ValueError(f"RaggedRows: {self.values.numel()} values for present rows of {held} entries")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.lengths), self.width
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.present.all())
+
+    def _offsets(self) -> Tensor:
+        held = torch.where(self.present, self.lengths, 0)
+        return torch.cumsum(held, 0) - held
+
+    def row(self, b: int) -> Tensor:
+        if not bool(self.present[b]):
+            raise AbsentRowError(f"row {b} is not held on this rank")
+        start = int(self._offsets()[b])
+        return self.values[start:start + int(self.lengths[b])]
+
+    def index_select(self, rows: Tensor) -> RaggedRows:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        keep = self.present[rows]
+        starts, lengths = self._offsets()[rows][keep], self.lengths[rows][keep]
+        pieces = [self.values[int(s):int(s) + int(n)] for s, n in zip(starts, lengths, strict=True)]
+        values = torch.cat(pieces) if pieces else self.values[:0]
+        return RaggedRows(values, self.lengths[rows].clone(), keep, self.width, self.fill)
+
+    def dense(self) -> Tensor:
+        """[B, width], padded with `fill`; every row must be present."""
+        if not self.complete:
+            raise AbsentRowError(f"{int((~self.present).sum())} of {len(self)} rows are not held on this rank")
+        out = torch.full(self.shape, self.fill, dtype=self.values.dtype)
+        out[torch.arange(self.width).unsqueeze(0) < self.lengths.unsqueeze(1)] = self.values
+        return out
+
+    @staticmethod
+    def from_dense(t: Tensor, lengths: Tensor, fill: float) -> RaggedRows:
+        mask = torch.arange(t.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        return RaggedRows(t[mask].contiguous(), lengths.clone(), torch.ones(len(lengths), dtype=torch.bool),
+                          t.shape[1], fill)
+
+    @staticmethod
+    def cat(parts: Sequence[RaggedRows]) -> RaggedRows:
+        return RaggedRows(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]),
+                          torch.cat([p.present for p in parts]), max(p.width for p in parts), parts[0].fill)
+
+
+def is_ragged(batch) -> bool:
+    return isinstance(batch.responses, RaggedRows)
+
+
+def to_ragged(batch, *, pad_id: int):
+    """The ragged form of a dense RolloutBatch (every row present); a ragged one as it is."""
+    if is_ragged(batch):
+        return batch
+    fills = {"prompt_ids": pad_id, "responses": pad_id, "rollout_log_probs": 0.0}
+    fields = {name: RaggedRows.from_dense(getattr(batch, name), getattr(batch, length), fills[name])
+              for name, length in RAGGED_FIELDS.items()}
+    return dataclasses.replace(batch, response_mask=None, **fields)
+
+
+def to_dense(batch):
+    """The dense RolloutBatch of a ragged one whose rows are all present (a dense one as it is)."""
+    if not is_ragged(batch):
+        return batch
+    fields = {name: getattr(batch, name).dense() for name in RAGGED_FIELDS}
+    T = fields["responses"].shape[1]
+    mask = (torch.arange(T).unsqueeze(0) < batch.response_length.unsqueeze(1)).to(torch.float32)
+    return dataclasses.replace(batch, response_mask=mask, **fields)
+
+
+def share_kept_rows(batch, *, group=None):
+    """Every rank's copy of `batch` with all its rows, dense: rank 0 of `group`, which holds every row,
+    broadcasts the entries of the rows another rank lacks (one flat tensor per ragged field). A
+    collective over `group` when the batch is ragged (every rank calls it with the same rows)."""
+    if not is_ragged(batch):
+        return batch
+    world = dist.get_world_size(group) if group is not None else 1
+    if world > 1:
+        src = dist.get_global_rank(group, 0)
+        missing = torch.tensor([int(not getattr(batch, f).complete) for f in RAGGED_FIELDS], dtype=torch.int64)
+        dist.all_reduce(missing, group=group)
+        fields = {}
+        for name, need in zip(RAGGED_FIELDS, missing.tolist(), strict=True):
+            rows: RaggedRows = getattr(batch, name)
+            if not need:
+                continue
+            n = int(rows.lengths.sum())
+            values = rows.values if dist.get_rank(group) == 0 else torch.empty(n, dtype=rows.values.dtype)
+            if dist.get_rank(group) == 0 and not rows.complete:
+                raise AbsentRowError(f"rank 0 lacks rows of {name}: it holds every row it generated")
+            dist.broadcast(values, src=src, group=group)
+            fields[name] = RaggedRows(values, rows.lengths, torch.ones_like(rows.present), rows.width, rows.fill)
+        batch = dataclasses.replace(batch, **fields)
+    return to_dense(batch)
