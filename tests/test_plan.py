@@ -215,7 +215,8 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
     monkeypatch.setattr(plan_mod, "plan_memory", lambda arch, **kw: seen.update(kw) or "plan")
     cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml",
                "actor.use_distributed_optimizer=false", "actor.use_kl_loss=true",
-               "rollout.mode=disaggregate", "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
+               "rollout.mode=disaggregate", "rollout.sglang_urls=[http://10.0.1.1:30000]",
+               "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
                "rollout.gpu_memory_utilization=0.7", "actor.max_tokens_per_microbatch=30000",
                "parallel.sequence_parallel=true", "actor.offload_optimizer=true")
     assert plan_from_config(cfg, arch=get_arch("qwen3-30b-a3b"), gpu_memory_gib=96, overhead_gib=2) == "plan"

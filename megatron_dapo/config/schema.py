@@ -323,7 +323,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85
     """SGLang --mem-fraction-static. [recipe: actor_rollout_ref.rollout.gpu_memory_utilization]"""
     mode: Literal["colocate", "disaggregate"] = "colocate"
-    """colocate: engines share GPUs with training (weights from tensors, memory released while training); disaggregate: separate GPUs, weights over a process group."""
+    """colocate: engines share GPUs with training (weights from tensors, memory released while training); disaggregate: engines on GPUs of their own, weights over a process group, nothing released. With engine=sglang, disaggregate needs rollout.sglang_urls: start the servers on their own nodes and give their URLs (the servers this trainer launches take the trainer's own GPUs, where a weight-update group would hold two ranks on one GPU, which NCCL refuses). Launched servers with server_device=cpu are the one exception."""
     weight_sync_bucket_mb: float = 512
     """Bucket size of actor -> engine weight updates, MiB (whole parameters; a larger one travels alone)."""
     weight_transport: Literal["auto", "distributed", "ipc"] = "auto"
@@ -392,6 +392,11 @@ class RolloutConfig:
         if self.server_max_total_tokens is not None:
             _check(self.server_max_total_tokens >= 1, "rollout.server_max_total_tokens", ">= 1 or null",
                    self.server_max_total_tokens)
+        if self.engine == "sglang" and self.mode == "disaggregate" and not self.sglang_urls and self.server_device != "cpu":
+            raise ConfigError("rollout.mode", "disaggregate needs rollout.sglang_urls: the servers this trainer "
+                              "launches go on the trainer's own GPUs (a weight-update group would then hold two "
+                              "ranks on one GPU, which NCCL refuses); start the SGLang servers on nodes of their "
+                              "own and pass their URLs in rollout.sglang_urls, or use rollout.mode=colocate")
         if self.speculative.auto and (self.engine != "sglang" or self.sglang_urls):
             raise ConfigError("rollout.speculative.auto", "relaunches the SGLang servers this trainer launches: needs "
                               "rollout.engine=sglang and no rollout.sglang_urls")

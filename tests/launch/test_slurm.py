@@ -33,8 +33,10 @@ GETENT = """#!/usr/bin/env bash
 echo "10.0.0.${BASH_REMATCH[1]} $2"
 """
 # Stand-ins for the real run: each records its arguments; `ray start --block` waits to be killed,
-# a trainer runs FAKE_TRAINER_SLEEP seconds (default 0), then exits with the status named in
-# FAKE_TRAINER_RC_<node> (default 0).
+# a trainer runs FAKE_TRAINER_SLEEP_<node> (else FAKE_TRAINER_SLEEP, default 0) seconds, then exits
+# with the status named in FAKE_TRAINER_RC_<node> (default 0). Like srun, a trainer step passes SIGTERM
+# on to its task (here the sleep) and ends with it. With FAKE_PIDS set, the pid of every step's
+# long-lived process (Ray's, a trainer's task) is appended to that file.
 SRUN = """#!/usr/bin/env bash
 node=""
 for a in "$@"; do [[ "$a" == --nodelist=* ]] && node=${a#--nodelist=}; done
@@ -42,8 +44,17 @@ while [[ "$1" == --* ]]; do shift; done
 echo "srun on $node: $*" >>"$FAKE_RECORD"
 prog=$1; [[ " $* " == *" megatron_dapo.torchrun "* ]] && prog=torchrun
 echo "output of $prog on $node"
-if [[ " $* " == *" --block "* ]]; then exec sleep 60; fi
-if [[ "$prog" == torchrun ]]; then sleep "${FAKE_TRAINER_SLEEP:-0}"; fi
+if [[ " $* " == *" --block "* ]]; then
+    if [[ -n "${FAKE_PIDS:-}" ]]; then echo "$$" >>"$FAKE_PIDS"; fi
+    exec sleep 60
+fi
+if [[ "$prog" == torchrun ]]; then
+    sleep_var="FAKE_TRAINER_SLEEP_${node//-/_}"
+    sleep "${!sleep_var:-${FAKE_TRAINER_SLEEP:-0}}" & task=$!
+    if [[ -n "${FAKE_PIDS:-}" ]]; then echo "$task" >>"$FAKE_PIDS"; fi
+    trap 'echo "srun on $node: SIGTERM, passed on to the task"; kill -TERM $task; wait $task; exit 143' TERM
+    wait $task
+fi
 rc_var="FAKE_TRAINER_RC_${node//-/_}"
 exit "${!rc_var:-0}"
 """
@@ -234,6 +245,65 @@ def test_usr1_before_the_time_limit_is_forwarded_to_every_nodes_trainer_ranks_an
     assert len(forward) == 1 and "pgrep -d, -f -- 'torchrun .*--rdzv_id=777 '" in forward[0], lines
     assert lines[-1] == "scontrol requeue 777", lines
     assert "the trainer ranks checkpoint and stop" in out and "requeueing job 777" in out
+
+
+def _ended(pid: int) -> bool:
+    """True once PID is gone or a zombie (ended, not yet reaped by its new parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_the_first_failed_trainer_step_ends_the_job_and_stops_the_other_nodes_steps(fake_bin, tmp_path):
+    """A node whose trainer step fails (a rank crashed) ends the job within seconds: the other nodes'
+    ranks would otherwise wait in a collective for the dead ones until NCCL's timeout (30 min), holding
+    every GPU of the job. The script exits with that step's status, names the node, and leaves no process
+    of any step behind (the other trainers' tasks and the Ray steps)."""
+    import signal
+    import time
+
+    nodes = NODES[:3]
+    pids = tmp_path / "pids.txt"
+    start = time.monotonic()
+    try:
+        proc = _run(fake_bin, tmp_path, SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES="3",
+                    LOG_DIR=str(tmp_path / "logs"), FAKE_PIDS=str(pids), FAKE_TRAINER_SLEEP="300",
+                    FAKE_TRAINER_SLEEP_h800_02="0.5", FAKE_TRAINER_RC_h800_02="7")
+        elapsed = time.monotonic() - start
+        deadline = time.monotonic() + 5   # Ray's steps get SIGTERM as the script exits
+        recorded = [int(p) for p in pids.read_text().split()]
+        while not all(_ended(p) for p in recorded) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p for p in recorded if not _ended(p)]
+    finally:
+        for p in [int(p) for p in pids.read_text().split()] if pids.exists() else []:
+            if not _ended(p):
+                os.kill(p, signal.SIGKILL)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 7, out
+    assert elapsed < 30, f"{elapsed:.1f} s: the job waited for the nodes that were still running"
+    assert (f"the trainer step on node h800-02 (node rank 1) failed first, with status 7; its output: "
+            f"{tmp_path / 'logs'}/node-h800-02.log") in proc.stderr, out
+    assert "stopping the trainer steps on the other 2 node(s) and Ray" in proc.stderr, out
+    assert len(recorded) == 6 and not left, (recorded, left)   # 3 Ray steps, 3 trainer tasks
+    for node in ("h800-01", "h800-03"):
+        assert "SIGTERM, passed on to the task" in (tmp_path / "logs" / f"node-{node}.log").read_text()
+
+
+def test_every_step_on_a_node_is_killed_whole_on_a_bad_exit_and_torchrun_never_restarts(fake_bin, tmp_path):
+    """--kill-on-bad-exit=1: a task that fails ends its step; --max_restarts=0: a crashed rank ends its
+    node's torchrun (and so its step) instead of restarting alone into a world that moved on."""
+    cmds = _commands(_run(fake_bin, tmp_path, "--dry-run").stdout)
+    for role, entries in cmds.items():
+        for _, _, argv, _ in entries:
+            assert "--kill-on-bad-exit=1" in argv[:argv.index("--job-name=dapo-" + role)], (role, argv)
+    assert all("--max_restarts=0" in argv for _, _, argv, _ in cmds["trainer"])
+    # and a rank left in a hung collective errors out (after NCCL's timeout) instead of stalling forever
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    nccl = subprocess.run(["bash", "-c", "source launch/slurm/env.sh; echo $TORCH_NCCL_ASYNC_ERROR_HANDLING"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert nccl.stdout.split() == ["1"], nccl.stderr
 
 
 # --- DRY_RUN=1 where there is no Slurm at all -------------------------------------------------------

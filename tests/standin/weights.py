@@ -15,13 +15,20 @@ a ForkingPickler pickle, SGLang's MultiprocessingSerializer) with a restricted u
 SGLang's SafeUnpickler does. CPU tensors shared through file descriptors reach back to the
 sender's resource_sharer with the receiver's multiprocessing authkey: from a process that is not
 the sender's multiprocessing child this fails with AuthenticationError, as it does for real.
+A CUDA IPC handle's device slot (torch's `rebuild_cuda_tensor` argument `storage_device`) is read as
+SGLang 0.5.8-0.5.23 reads it once `monkey_patch_torch_reductions` ran (it runs before every tensor
+update; `_device_from_maybe_uuid`): an int is this process's own device index, a str is a device
+UUID looked up among the devices this process sees (CUDA_VISIBLE_DEVICES), and a UUID it does not
+see is an error that takes the server down (SGLang: "Invalid device_uuid=...").
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import io
+import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -31,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (registers the tensor reducers ForkingPickler uses)
 from torch.distributed import distributed_c10d as c10d
+from torch.multiprocessing import reductions
 
 from tests.standin.state import RankError
 
@@ -42,10 +50,47 @@ _ALLOWED = {("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "fl
     ("torch", "Tensor"), ("torch", "UntypedStorage"), ("torch", "TypedStorage")}
 
 
+# The argument of torch's rebuild_cuda_tensor that names the storage's device (found by name: SGLang
+# hard-codes its position, 6, which is where torch has kept it).
+DEVICE_SLOT = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters).index("storage_device")
+
+
+def local_cuda_uuids() -> list[str]:
+    """The UUIDs of the CUDA devices this process sees, by index, spelled as SGLang compares them."""
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def local_cuda_index(device: int | str) -> int:
+    """The device slot of a CUDA IPC handle as this process's device index (module docstring)."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        uuids = local_cuda_uuids()
+        if device in uuids:
+            return uuids.index(device)
+        seen = ", ".join(f"{i}={u}" for i, u in enumerate(uuids)) or "none"
+        raise ValueError(f"Invalid device_uuid={device}: a CUDA IPC handle of a device this server does not "
+                         f"see (its devices: {seen}; CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    raise TypeError(f"CUDA IPC handle: device slot {device!r} is neither a device index nor a device UUID")
+
+
+def _torch_rebuild_cuda_tensor(*args):
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+def _rebuild_cuda_tensor_here(*args):
+    """torch's rebuild_cuda_tensor with the device slot read as SGLang reads it."""
+    return _torch_rebuild_cuda_tensor(*args[:DEVICE_SLOT], local_cuda_index(args[DEVICE_SLOT]),
+                                      *args[DEVICE_SLOT + 1:])
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Tensors, storages and plain containers only (the allowlist idea of SGLang's SafeUnpickler)."""
 
     def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_here
         if module in _ALLOWED_MODULES or (module, name) in _ALLOWED or (
                 module == "torch" and (name.endswith("Storage") or isinstance(getattr(torch, name, None),
                                                                                torch.dtype))):

@@ -110,7 +110,19 @@ def _cpu_storage_by_file_name() -> Iterator[None]:
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
     """Base64 text of a ForkingPickler pickle of the list (SGLang's MultiprocessingSerializer format):
     CUDA IPC handles for device tensors, shared-memory file names for CPU tensors (never descriptors).
-    The caller keeps the tensors alive until the server has answered."""
+    The caller keeps the tensors alive until the server has answered.
+
+    A CUDA handle names its device by the sender's index (torch's own reduction), not by the device's
+    UUID as SGLang's `monkey_patch_torch_reductions` would on the sending side. This matters for servers
+    under another CUDA_VISIBLE_DEVICES than the node leader that sends: SGLang (0.5.8-0.5.23,
+    `_device_from_maybe_uuid`) reads an int as its own device index and looks a UUID up among the
+    devices it sees only, raising "Invalid device_uuid" (the server dies) for any other. The servers
+    placed through Ray see only their bundle's GPUs: the node's second server (GPUs 4-7) cannot see the
+    leader's GPU 0, so a UUID would kill it, while the index opens the handle in its device 0's context
+    and reaches the leader's memory through peer access over NVLink (CUDA IPC with a device outside
+    CUDA_VISIBLE_DEVICES, which NCCL relies on since CUDA 10.1; not yet run on GPUs here). A UUID
+    becomes the right choice once every server sees its node's GPUs (tests/standin/weights.py reads
+    the slot as SGLang does)."""
     tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
     buf = io.BytesIO()
     if any(t.device.type == "cpu" for _, t in tensors):
