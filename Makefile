@@ -9,7 +9,7 @@ ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
 export PYTHONHASHSEED := 0
 
-.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env sglang-env clean train-dapo-32b \
+.PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env sglang-env gpu-wheels clean train-dapo-32b \
 	train-dapo-32b-wo-ds train-dapo-32b-early train-moe tensorboard data eval-aime docker
 
 # torch==2.13.0 first: on the CPU machines it is a CPU build on local disk (an unpinned torch
@@ -108,6 +108,12 @@ $(LIGER_VENV)/.installed:
 		"tensordict==0.15.3" "transformers==5.24.0" "codetiming==1.4.0" "orjson==3.13.0"
 	$(LIGER_VENV)/bin/python -c "import liger_kernel.chunked_loss, verl.trainer.ppo.core_algos"
 	touch $@
+
+GPU_WHEELS ?= .gpu-wheels
+# The wheels tests/gpu/run_all.sh installs on a GPU machine without network (tests/gpu/wheels.txt: CPython
+# 3.12, manylinux x86_64, no dependencies), downloaded into $(GPU_WHEELS) and checked; see docs/gpu.md.
+gpu-wheels: install
+	$(BIN)/python tools/gpu_wheels.py download --dest $(GPU_WHEELS)
 
 # The 16 x 8 H800 runs submit through SLURM (launch/slurm/dapo_16x8_h800.sbatch). DRY_RUN=1 prints
 # every command per node instead and needs no Slurm: the script runs under bash, and outside an

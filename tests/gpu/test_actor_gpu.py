@@ -62,6 +62,7 @@ THD_VS_BSHD = textwrap.dedent("""
 def test_thd_packed_log_probs_and_update_equal_bshd_on_cuda():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", THD_VS_BSHD], capture_output=True, text=True, timeout=600,
-                         cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                         cwd=root, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             filter(None, [root, os.environ.get("PYTHONPATH")]))))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "OK thd" in run.stdout
