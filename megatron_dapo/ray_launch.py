@@ -6,8 +6,9 @@ The recipe's `trainer.nnodes` x `trainer.n_gpus_per_node` ranks run as one torch
 one bundle per node (STRICT_SPREAD), with the node's GPUs when the cluster has GPUs. The rendezvous is
 hosted by the agent of bundle 0 (`is_host=1`), at its node's address. Each agent's output reaches the job's log with a
 `[node i]` prefix. The job ends with the first agent that fails (the others are stopped; a torchrun that
-loses its Ray worker gets SIGTERM and ends its ranks) or when all succeed, and exits with that status
-(75, trainer.preemption_exit_code, included). A world of one process runs the trainer directly.
+loses its Ray worker gets SIGTERM and ends its ranks) or when all succeed, and exits with that status. A
+node that stopped on a signal (trainer.preemption_exit_code, 75) stops no other: every node is then
+writing the step's checkpoint; the job exits with that code once all have ended. A world of one process runs the trainer directly.
 
 MEGATRON_DAPO_RAY_PLACEMENT sets the placement strategy (default STRICT_SPREAD; PACK puts the agents on
 one node: the CPU test runs two "nodes" on one machine that way).
@@ -96,17 +97,32 @@ def main(argv: list[str] | None = None) -> int:
     # against the host name's addresses, which a node whose name resolves to loopback never matches.
     running = {agent.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=on[i]).remote(
         [*cmd[:3], f"--rdzv_conf=is_host={int(i == 0)}", *cmd[3:]], i): i for i in range(nnodes)}
+    return _wait_for_agents(running, stopped=cfg.trainer.preemption_exit_code, cancel=ray.cancel, wait=ray.wait,
+                            get=ray.get)
+
+
+def _wait_for_agents(running: dict, *, stopped: int, cancel, wait, get) -> int:
+    """The job's status from its agents ({ref: node index}): the first failure stops the others at once; a
+    node that exits with `stopped` (trainer.preemption_exit_code: a stop signal, a checkpoint written) does
+    not, since every node is then checkpointing and stopping too, and cutting one short would tear the
+    checkpoint; the job then ends when all have, with that status (unless another node fails)."""
     status = 0
     while running:
-        done, _ = ray.wait(list(running), num_returns=1)
+        done, _ = wait(list(running), num_returns=1)
         index = running.pop(done[0])
-        code = ray.get(done[0])
-        if code != 0 and status == 0:
-            status = code
-            print(f"ray_launch: node {index} ended with status {code}; stopping the others", file=sys.stderr)
-            for ref in running:
-                ray.cancel(ref, force=True)
-            break
+        code = get(done[0])
+        if code == 0:
+            continue
+        if code == stopped:
+            status = status or code
+            print(f"ray_launch: node {index} stopped on a signal (status {code}); waiting for the others",
+                  file=sys.stderr)
+            continue
+        status = code
+        print(f"ray_launch: node {index} ended with status {code}; stopping the others", file=sys.stderr)
+        for ref in running:
+            cancel(ref, force=True)
+        break
     return status
 
 

@@ -202,3 +202,25 @@ def test_the_job_package_holds_every_tracked_file():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert any(f.startswith("megatron_dapo/models/") for f in tracked)
     assert [f for f in tracked if spec.match_file(f)] == []
+
+
+def _agents(codes: list[int]):
+    """Fake Ray calls over agents that end in the order given, with those statuses."""
+    from megatron_dapo.ray_launch import _wait_for_agents
+
+    order, cancelled = list(range(len(codes))), []
+    running = {f"ref{i}": i for i in order}
+
+    def wait(refs, num_returns):
+        return [f"ref{order.pop(0)}"], None
+
+    status = _wait_for_agents(running, stopped=75, cancel=lambda ref, force: cancelled.append(ref), wait=wait,
+                              get=lambda ref: codes[int(ref[3:])])
+    return status, cancelled
+
+
+def test_a_failed_node_stops_the_others_but_a_node_stopping_on_a_signal_does_not():
+    assert _agents([0, 3, 0]) == (3, ["ref2"])          # a crash: the rest are cancelled at once
+    assert _agents([75, 75, 75]) == (75, [])            # a stop signal: every node finishes its checkpoint
+    assert _agents([75, 9, 0]) == (9, ["ref2"])         # a crash while the others stop still ends the job
+    assert _agents([0, 0]) == (0, [])
