@@ -63,7 +63,8 @@ def _peak_rss_bytes() -> int:
 
 def measure(step, clear, repeats: int, memory: bool) -> dict:
     """After a warm-up step: the peak RSS growth [MiB] of one step (`memory`), or the median / min /
-    all times [s] of `repeats` steps; with the loss. `step()` runs forward + backward and returns the
+    all wall times [s] of `repeats` steps with the median CPU time of the process (every thread) and
+    CPU time / wall time (how many cores the step kept busy); with the loss. `step()` runs forward + backward and returns the
     loss (a 0-dim tensor), `clear()` drops the gradients it left (outside the measured regions)."""
     loss = step()
     if memory:
@@ -74,14 +75,16 @@ def measure(step, clear, repeats: int, memory: bool) -> dict:
             print("warning: cannot reset the peak RSS; the figure includes start-up", file=sys.stderr)
         loss = step()
         return {"loss": float(loss), "peak_mib": round((_peak_rss_bytes() - before) / 2**20, 1)}
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     return {"loss": float(loss), "time_s": round(statistics.median(times), 4), "min_s": round(min(times), 4),
-            "times_s": [round(t, 4) for t in times]}
+            "times_s": [round(t, 4) for t in times], "cpu_s": round(statistics.median(cpu), 4),
+            "cpu_per_wall": round(sum(cpu) / sum(times), 2)}
 
 
 def liger_step(inputs: dict, compiled: bool):

@@ -109,7 +109,10 @@ def ours_liger_step(inputs: dict):
         loss.backward()
         return loss.detach()
 
-    return step, clear, lambda: {"grad_hidden": hidden.grad, "grad_weight": weight.grad}, {"torch": torch.__version__}
+    from megatron_dapo.kernels.logprob_entropy import torch_chunk_tokens
+
+    return step, clear, lambda: {"grad_hidden": hidden.grad, "grad_weight": weight.grad}, {
+        "torch": torch.__version__, "chunk_tokens": torch_chunk_tokens(weight.shape[0], None, None)}
 
 
 def ours_verl_step(inputs: dict):

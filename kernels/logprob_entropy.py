@@ -53,16 +53,19 @@ __all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference", "fused_lo
            "fused_logprob_stats_reference"]
 
 BACKENDS = ("auto", "triton", "torch")
-# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds at most 2 fp32 [C, V]
-# buffers, so C = scratch_bytes // (8 V): 64 MiB gives C = 262 tokens at V = 32000. Measured on
-# this 2-core CPU (1 thread, H = 1024, V = 32000): the three GEMM shapes run at 43 / 55 / 70
-# GFLOP/s with C = 131 and at 60 / 69 / 72 with C = 262, no better with C = 524; the peak memory
-# of a fwd+bwd is then about grad_weight + grad_hidden + 64 MiB (benchmarks/bench_kernels.py).
+# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds one fp32 [C, V] buffer
+# (the chunk's logits, transformed in place) and one [C, B] block of its columns (B = _TORCH_BLOCK, or V
+# when smaller) for what needs a second array (exp beside z for the entropy, p beside the coefficient in
+# the backward), so C = scratch_bytes // (4 (V + B)): 64 MiB gives C = 464 tokens at V = 32000.
+# The chunk's GEMMs grow with C: measured on this 2-core CPU (2 threads, H = 1024, V = 32000, 8,192
+# tokens, the four GEMMs of a fwd + bwd): 17.2 s at C = 128, 14.0 s at C = 262 (the two-buffer layout
+# this replaced), 13.1 s at C = 400, 12.2 s at C = 1024; the elementwise passes are under 3 %.
+# The peak memory of a fwd+bwd is about grad_weight + grad_hidden + the scratch (benchmarks/bench_kernels.py).
 # The triton backward holds one [C, V] buffer in the input dtype: 256 MiB keeps its two GEMMs
 # large enough to run near peak on a GPU. The triton forward needs no scratch.
 TORCH_SCRATCH_BYTES = 64 << 20
 TRITON_SCRATCH_BYTES = 256 << 20
-_TORCH_BUFFERS = 2  # fp32 [C, V] buffers live at once in every torch-path chunk
+_TORCH_BLOCK = 4096  # columns of the torch path's second, block-sized buffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +275,18 @@ def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voc
 
 
 def torch_chunk_tokens(v: int, chunk_size: int | None, scratch_bytes: int | None) -> int:
-    """Tokens per chunk of the torch path: as asked, or as many as keep its _TORCH_BUFFERS fp32
-    [C, V] buffers within `scratch_bytes` (default TORCH_SCRATCH_BYTES); at least 1."""
+    """Tokens per chunk of the torch path: as asked, or as many as keep its fp32 [C, V] buffer and its
+    [C, min(V, _TORCH_BLOCK)] block within `scratch_bytes` (default TORCH_SCRATCH_BYTES); at least 1.
+    Whatever the flags (entropy, sum p^2, a backward), so every pass chunks the tokens alike."""
     if chunk_size is not None:
         return chunk_size
     budget = TORCH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
-    return max(1, budget // (_TORCH_BUFFERS * 4 * max(v, 1)))
+    v = max(v, 1)
+    return max(1, budget // (4 * (v + min(v, _TORCH_BLOCK))))
+
+
+def _column_blocks(v: int) -> range:
+    return range(0, v, _TORCH_BLOCK)
 
 
 def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Tensor]:
@@ -291,21 +300,31 @@ def chunk_stats(z: Tensor, col: Tensor, owned: Tensor, out: Tensor, entropy: boo
     """Fill out[:, k] = m, s, t, zy (, q) of the fp32 logits z [C, V] of one chunk (t only when
     `entropy`, else left as is); consumes z's buffer.
 
-    With entropy, e = exp(z - m) needs a second [C, V] buffer (t pairs it with z - m); without,
-    the exponential is taken in place. Row dot products go through bmm ([C, 1, V] x [C, V, 1]),
-    which needs no temporary. Shared by every torch-path caller, and z, m, s and zy (so the
-    log-probs) come out of the same operations whatever the flags: bit for bit the same values."""
+    z - m is taken in place; the exponential e = exp(z - m), its sum, sum e (z - m) and sum e^2 go block
+    of columns by block (_TORCH_BLOCK), e in one [C, block] buffer. Row dot products go through bmm
+    ([C, 1, B] x [C, B, 1]), which needs no temporary. Shared by every torch-path caller, and z, m, s and
+    zy (so the log-probs) come out of the same operations whatever the flags: bit for bit the same values."""
     zy = z.gather(1, col[:, None]).squeeze(1)
     m = z.max(dim=1).values
     zs = z.sub_(m[:, None])
-    e = zs.exp() if entropy else zs.exp_()
+    s = torch.zeros_like(m)
+    t = torch.zeros_like(m) if entropy else None
+    q = torch.zeros_like(m) if sum_sq else None
+    for b0 in _column_blocks(z.shape[1]):
+        block = zs[:, b0:b0 + _TORCH_BLOCK]
+        e = block.exp()
+        s += e.sum(dim=1)
+        if sum_sq:
+            q += torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1)
+        if entropy:
+            t += e.mul_(block).sum(dim=1)
     out[:, 0] = m
-    out[:, 1] = e.sum(dim=1)
+    out[:, 1] = s
     if entropy:
-        out[:, 2] = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1)
+        out[:, 2] = t
     out[:, 3] = torch.where(owned, zy, torch.zeros_like(zy))
     if sum_sq:
-        out[:, 4] = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1)
+        out[:, 4] = q
 
 
 def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
@@ -316,8 +335,8 @@ def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
 
 def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size, scratch_bytes, entropy,
                        sum_sq):
-    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); at most two fp32
-    [C, V] buffers live at a time."""
+    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); one fp32 [C, V]
+    buffer and one [C, block] live at a time."""
     (n, _), v = hidden.shape, weight.shape[0]
     # no copy for fp32 inputs; 16-bit ones are upcast once (CPU torch has no bf16 GEMM with an fp32
     # result), so their products are exact and accumulate in fp32, as in the triton kernel
@@ -329,7 +348,7 @@ def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_s
         c1 = min(n, c0 + chunk)
         z = chunk_logits(h32[c0:c1], w32, temperature)  # [C, V]
         chunk_stats(z, col[c0:c1], owned[c0:c1], stats[c0:c1], entropy, sum_sq)
-        del z  # both [C, V] buffers go before the next chunk allocates its own
+        del z  # the chunk's buffer goes before the next chunk allocates its own
     return tuple(stats.t()[:, None, :].unbind(0))
 
 
@@ -345,9 +364,13 @@ def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voca
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         z = chunk_logits(h32[c0:c1], w32, temperature)
-        if g_ent is not None:  # p in a second buffer, the coefficient g_lp + g_ent (z - Ez) in z's
-            dz = (z - lse[c0:c1, None]).exp_()
-            dz.mul_(z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(g_lp[c0:c1, None])).neg_()
+        if g_ent is not None:  # -p (g_lp + g_ent (z - Ez)) in z's buffer, p a block of columns at a time
+            lse_c, ez_c, ge_c, gl_c = (x[c0:c1, None] for x in (lse, ez, g_ent, g_lp))
+            for b0 in _column_blocks(v):
+                block = z[:, b0:b0 + _TORCH_BLOCK]
+                p = (block - lse_c).exp_()
+                block.sub_(ez_c).mul_(ge_c).add_(gl_c).mul_(p).neg_()
+            dz = z
         else:  # -g_lp p, in z's buffer
             dz = z.sub_(lse[c0:c1, None]).exp_().mul_(g_lp[c0:c1, None].neg())
         hit = torch.where(owned[c0:c1], g_lp[c0:c1], torch.zeros_like(g_lp[c0:c1]))
@@ -531,7 +554,7 @@ def fused_logprob_stats(
     equal on one machine.
 
     Memory: never the [N, V] logits. The torch path (CPU) works on `chunk_size` tokens at a time,
-    by default as many as keep its two fp32 [C, V] buffers within `scratch_bytes` (default
+    by default as many as keep its fp32 [C, V] buffer and a [C, 4096] block within `scratch_bytes` (default
     TORCH_SCRATCH_BYTES = 64 MiB; per-chunk buffers are freed before the next chunk, and the
     backward recomputes the logits instead of keeping them). The triton forward needs no scratch;
     its backward holds one [C, V] buffer in the input dtype (default TRITON_SCRATCH_BYTES = 256 MiB).
