@@ -53,19 +53,22 @@ __all__ = ["fused_logprob_entropy", "fused_logprob_entropy_reference", "fused_lo
            "fused_logprob_stats_reference"]
 
 BACKENDS = ("auto", "triton", "torch")
-# Default scratch budgets (the `scratch_bytes` keyword). The torch path holds one fp32 [C, V] buffer
-# (the chunk's logits, transformed in place) and one [C, B] block of its columns (B = _TORCH_BLOCK, or V
-# when smaller) for what needs a second array (exp beside z for the entropy, p beside the coefficient in
-# the backward), so C = scratch_bytes // (4 (V + B)): 64 MiB gives C = 464 tokens at V = 32000.
-# The chunk's GEMMs grow with C: measured on this 2-core CPU (2 threads, H = 1024, V = 32000, 8,192
-# tokens, the four GEMMs of a fwd + bwd): 17.2 s at C = 128, 14.0 s at C = 262 (the two-buffer layout
-# this replaced), 13.1 s at C = 400, 12.2 s at C = 1024; the elementwise passes are under 3 %.
+# Default scratch budgets (the `scratch_bytes` keyword). The torch path works on tiles of C tokens x B
+# vocabulary columns (B = _TORCH_VOCAB_TILE, or V when smaller), at most two fp32 [C, B] buffers at a
+# time (the tile's logits, and exp beside them for the entropy or p beside the coefficient in the
+# backward), so C = scratch_bytes // (8 B): 32 MiB gives C = 2,048 tokens at B = 2,048. The forward keeps
+# a running max and rescales its sums from tile to tile (an online log-sum-exp). Tiles keep the GEMMs
+# large in both dimensions and the buffers near the cache. Measured on this 2-core CPU (2 threads,
+# H = 1,024, V = 32,000, 8,192 tokens, log-probs then the clipped loss, fwd + bwd): 11.8 s with
+# [2,048 x 2,048] tiles, 12.0 s with [1,024 x 2,048], 12.1 s with [4,096 x 2,048], 12.5 s with
+# [8,192 x 2,048], 12.2 s with [2,048 x 4,096], 12.6 s with [8,192 x 1,024]; 14.2 s for whole-vocabulary
+# chunks of 262 tokens in two [262, V] buffers (the layout this replaced). GEMMs are 94 % of a step.
 # The peak memory of a fwd+bwd is about grad_weight + grad_hidden + the scratch (benchmarks/bench_kernels.py).
 # The triton backward holds one [C, V] buffer in the input dtype: 256 MiB keeps its two GEMMs
 # large enough to run near peak on a GPU. The triton forward needs no scratch.
-TORCH_SCRATCH_BYTES = 64 << 20
+TORCH_SCRATCH_BYTES = 32 << 20
 TRITON_SCRATCH_BYTES = 256 << 20
-_TORCH_BLOCK = 4096  # columns of the torch path's second, block-sized buffer
+_TORCH_VOCAB_TILE = 2048  # vocabulary columns per tile of the torch path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,19 +277,19 @@ def _triton_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, voc
 # ---------------------------------------------------------------------------------------------
 
 
+def torch_vocab_tile(v: int) -> int:
+    """Vocabulary columns per tile of the torch path."""
+    return min(max(v, 1), _TORCH_VOCAB_TILE)
+
+
 def torch_chunk_tokens(v: int, chunk_size: int | None, scratch_bytes: int | None) -> int:
-    """Tokens per chunk of the torch path: as asked, or as many as keep its fp32 [C, V] buffer and its
-    [C, min(V, _TORCH_BLOCK)] block within `scratch_bytes` (default TORCH_SCRATCH_BYTES); at least 1.
-    Whatever the flags (entropy, sum p^2, a backward), so every pass chunks the tokens alike."""
+    """Tokens per tile of the torch path: as asked, or as many as keep two fp32 [C, B] buffers
+    (B = torch_vocab_tile(v)) within `scratch_bytes` (default TORCH_SCRATCH_BYTES); at least 1. The same
+    for every flag (entropy, sum p^2, a backward), so every pass tiles the logits alike."""
     if chunk_size is not None:
         return chunk_size
     budget = TORCH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
-    v = max(v, 1)
-    return max(1, budget // (4 * (v + min(v, _TORCH_BLOCK))))
-
-
-def _column_blocks(v: int) -> range:
-    return range(0, v, _TORCH_BLOCK)
+    return max(1, budget // (2 * 4 * torch_vocab_tile(v)))
 
 
 def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Tensor]:
@@ -296,92 +299,101 @@ def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Ten
     return local.clamp(0, v - 1), owned
 
 
-def chunk_stats(z: Tensor, col: Tensor, owned: Tensor, out: Tensor, entropy: bool, sum_sq: bool) -> None:
-    """Fill out[:, k] = m, s, t, zy (, q) of the fp32 logits z [C, V] of one chunk (t only when
-    `entropy`, else left as is); consumes z's buffer.
+def tile_stats(z: Tensor, stats: Tensor | None, col: Tensor, owned: Tensor, out: Tensor, entropy: bool,
+               sum_sq: bool) -> None:
+    """Fold the fp32 logits z [C, B] of one vocabulary tile into out[:, k] = m, s, t, zy (, q) of its C
+    tokens (`stats` None: z is the first tile; t only when `entropy`); consumes z's buffer.
 
-    z - m is taken in place; the exponential e = exp(z - m), its sum, sum e (z - m) and sum e^2 go block
-    of columns by block (_TORCH_BLOCK), e in one [C, block] buffer. Row dot products go through bmm
-    ([C, 1, B] x [C, B, 1]), which needs no temporary. Shared by every torch-path caller, and z, m, s and
-    zy (so the log-probs) come out of the same operations whatever the flags: bit for bit the same values."""
-    zy = z.gather(1, col[:, None]).squeeze(1)
-    m = z.max(dim=1).values
+    m is the running max, s = sum exp(z - m), t = sum exp(z - m) (z - m), q = sum exp(2 (z - m)): a new
+    max m' rescales them by r = exp(m - m'), t by r (t + s log r), q by r^2. col / owned: the label's
+    column within this tile and whether the tile holds it. Row dot products go through bmm ([C, 1, B] x
+    [C, B, 1]), which needs no temporary. z, m, s and zy (so the log-probs) come out of the same
+    operations whatever the flags: bit for bit the same values."""
+    zy = torch.where(owned, z.gather(1, col[:, None]).squeeze(1), 0.0)
+    tile_max = z.max(dim=1).values
+    m = tile_max if stats is None else torch.maximum(out[:, 0], tile_max)
     zs = z.sub_(m[:, None])
-    s = torch.zeros_like(m)
-    t = torch.zeros_like(m) if entropy else None
-    q = torch.zeros_like(m) if sum_sq else None
-    for b0 in _column_blocks(z.shape[1]):
-        block = zs[:, b0:b0 + _TORCH_BLOCK]
-        e = block.exp()
-        s += e.sum(dim=1)
-        if sum_sq:
-            q += torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1)
+    e = zs.exp() if entropy or sum_sq else zs.exp_()
+    s = e.sum(dim=1)
+    t = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1) if entropy else None
+    q = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1) if sum_sq else None
+    if stats is not None:
+        log_r = out[:, 0] - m
+        r = log_r.exp()
         if entropy:
-            t += e.mul_(block).sum(dim=1)
-    out[:, 0] = m
-    out[:, 1] = s
+            t += r * (out[:, 2] + out[:, 1] * log_r)
+        if sum_sq:
+            q += r * r * out[:, 4]
+        s += r * out[:, 1]
+        zy += out[:, 3]
+    out[:, 0], out[:, 1], out[:, 3] = m, s, zy
     if entropy:
         out[:, 2] = t
-    out[:, 3] = torch.where(owned, zy, torch.zeros_like(zy))
     if sum_sq:
         out[:, 4] = q
 
 
 def chunk_logits(h32: Tensor, w32: Tensor, temperature: float) -> Tensor:
-    """z = h32 @ w32.T / temperature [C, V] fp32, in one new buffer."""
+    """z = h32 @ w32.T / temperature [C, B] fp32, in one new buffer."""
     z = h32 @ w32.t()
     return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_size, scratch_bytes, entropy,
                        sum_sq):
-    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); one fp32 [C, V]
-    buffer and one [C, block] live at a time."""
+    """(m, s, t, zy) and, when `sum_sq`, q: [1, N] each (t is 0 unless `entropy`); at most two fp32
+    [C, B] tile buffers live at a time."""
     (n, _), v = hidden.shape, weight.shape[0]
     # no copy for fp32 inputs; 16-bit ones are upcast once (CPU torch has no bf16 GEMM with an fp32
     # result), so their products are exact and accumulate in fp32, as in the triton kernel
     h32, w32 = hidden.float(), weight.float()
     col, owned = _local_target(labels, vocab_start, v)
     stats = torch.zeros(n, 5 if sum_sq else 4, dtype=torch.float32, device=hidden.device)
-    chunk = torch_chunk_tokens(v, chunk_size, scratch_bytes)
+    chunk, tile = torch_chunk_tokens(v, chunk_size, scratch_bytes), torch_vocab_tile(v)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
-        z = chunk_logits(h32[c0:c1], w32, temperature)  # [C, V]
-        chunk_stats(z, col[c0:c1], owned[c0:c1], stats[c0:c1], entropy, sum_sq)
-        del z  # the chunk's buffer goes before the next chunk allocates its own
+        for b0 in range(0, v, tile):
+            b1 = min(v, b0 + tile)
+            z = chunk_logits(h32[c0:c1], w32[b0:b1], temperature)  # [C, B]
+            here = owned[c0:c1] & (col[c0:c1] >= b0) & (col[c0:c1] < b1)
+            tile_stats(z, None if b0 == 0 else stats, (col[c0:c1] - b0).clamp(0, b1 - b0 - 1), here,
+                       stats[c0:c1], entropy, sum_sq)
+            del z  # the tile's buffers go before the next one is allocated
     return tuple(stats.t()[:, None, :].unbind(0))
 
 
 def _torch_grads(hidden, weight, labels, lse, ez, g_lp, g_ent, temperature, vocab_start,
                  chunk_size, scratch_bytes, need_hidden, need_weight):
-    """Gradients for this rank's shard: recompute z for C tokens, form dz, two matmuls."""
+    """Gradients for this rank's shard, tile by tile: recompute z for C tokens x B columns, form dz, two
+    matmuls accumulating into the hidden and weight gradients."""
     (n, _), v = hidden.shape, weight.shape[0]
     h32, w32 = hidden.float(), weight.float()
     col, owned = _local_target(labels, vocab_start, v)
-    grad_hidden = h32.new_empty(h32.shape) if need_hidden else None  # contiguous, for mm(out=)
+    grad_hidden = torch.zeros_like(h32) if need_hidden else None
     grad_weight = torch.zeros_like(w32) if need_weight else None
-    chunk = torch_chunk_tokens(v, chunk_size, scratch_bytes)
+    chunk, tile = torch_chunk_tokens(v, chunk_size, scratch_bytes), torch_vocab_tile(v)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
-        z = chunk_logits(h32[c0:c1], w32, temperature)
-        if g_ent is not None:  # -p (g_lp + g_ent (z - Ez)) in z's buffer, p a block of columns at a time
-            lse_c, ez_c, ge_c, gl_c = (x[c0:c1, None] for x in (lse, ez, g_ent, g_lp))
-            for b0 in _column_blocks(v):
-                block = z[:, b0:b0 + _TORCH_BLOCK]
-                p = (block - lse_c).exp_()
-                block.sub_(ez_c).mul_(ge_c).add_(gl_c).mul_(p).neg_()
-            dz = z
-        else:  # -g_lp p, in z's buffer
-            dz = z.sub_(lse[c0:c1, None]).exp_().mul_(g_lp[c0:c1, None].neg())
-        hit = torch.where(owned[c0:c1], g_lp[c0:c1], torch.zeros_like(g_lp[c0:c1]))
-        dz.scatter_add_(1, col[c0:c1, None], hit[:, None])
-        if temperature != 1.0:
-            dz.div_(temperature)
-        if need_hidden:
-            torch.mm(dz, w32, out=grad_hidden[c0:c1])
-        if need_weight:
-            grad_weight.addmm_(dz.t(), h32[c0:c1])
-        del z, dz
+        lse_c, gl_c = lse[c0:c1, None], g_lp[c0:c1, None]
+        hit = torch.where(owned[c0:c1], g_lp[c0:c1], 0.0)
+        for b0 in range(0, v, tile):
+            b1 = min(v, b0 + tile)
+            z = chunk_logits(h32[c0:c1], w32[b0:b1], temperature)
+            if g_ent is not None:  # -p (g_lp + g_ent (z - Ez)): p in a second buffer, the coefficient in z's
+                p = (z - lse_c).exp_()
+                dz = z.sub_(ez[c0:c1, None]).mul_(g_ent[c0:c1, None]).add_(gl_c).mul_(p).neg_()
+                del p
+            else:  # -g_lp p, in z's buffer
+                dz = z.sub_(lse_c).exp_().mul_(gl_c.neg())
+            rows = torch.nonzero((col[c0:c1] >= b0) & (col[c0:c1] < b1)).squeeze(1)
+            dz.index_put_((rows, col[c0:c1][rows] - b0), hit[rows], accumulate=True)
+            if temperature != 1.0:
+                dz.div_(temperature)
+            if need_hidden:
+                grad_hidden[c0:c1].addmm_(dz, w32[b0:b1])
+            if need_weight:
+                grad_weight[b0:b1].addmm_(dz.t(), h32[c0:c1])
+            del z, dz
     return (grad_hidden.to(hidden.dtype) if need_hidden else None,
             grad_weight.to(weight.dtype) if need_weight else None)
 
@@ -553,9 +565,9 @@ def fused_logprob_stats(
     the same code, so at equal weights the no-grad and the differentiable log-probs are bitwise
     equal on one machine.
 
-    Memory: never the [N, V] logits. The torch path (CPU) works on `chunk_size` tokens at a time,
-    by default as many as keep its fp32 [C, V] buffer and a [C, 4096] block within `scratch_bytes` (default
-    TORCH_SCRATCH_BYTES = 64 MiB; per-chunk buffers are freed before the next chunk, and the
+    Memory: never the [N, V] logits. The torch path (CPU) works on tiles of `chunk_size` tokens x 2,048
+    vocabulary columns, by default as many tokens as keep two fp32 tile buffers within `scratch_bytes` (default
+    TORCH_SCRATCH_BYTES = 32 MiB; each tile's buffers are freed before the next tile, and the
     backward recomputes the logits instead of keeping them). The triton forward needs no scratch;
     its backward holds one [C, V] buffer in the input dtype (default TRITON_SCRATCH_BYTES = 256 MiB).
 

@@ -163,3 +163,27 @@ def test_scratch_bytes_changes_only_the_chunking():
     assert_stats_close(small, default, **FP32_TOL)
     with pytest.raises(ValueError, match="scratch_bytes must be None or a positive int"):
         fused_logprob_stats(hidden, weight, labels, scratch_bytes=0)
+
+
+@pytest.mark.parametrize("tile", [64, 100, 1003])
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_vocabulary_tiles_give_the_reference_stats_and_grads(tile, temperature, monkeypatch):
+    """The torch path's online log-sum-exp over vocabulary tiles (a running max that rescales s, t and q
+    from tile to tile), with labels in every tile and a last tile narrower than the others."""
+    from megatron_dapo.kernels import logprob_entropy
+
+    monkeypatch.setattr(logprob_entropy, "_TORCH_VOCAB_TILE", tile)
+    hidden, weight, labels, g_lp, g_ent = make_inputs(37, 48, 1003, seed=11)
+    weight[::97] *= 2.0  # larger logits in some tiles only: the running max moves across tiles
+    labels[:16] = torch.arange(0, 1003, 63)[:16]
+    want = stats_with_grads(fused_logprob_stats_reference, hidden, weight, labels, g_lp, g_ent,
+                            temperature=temperature)
+    got = stats_with_grads(fused_logprob_stats, hidden, weight, labels, g_lp, g_ent, temperature=temperature,
+                           chunk_size=10, backend="torch")
+    assert_stats_close(got, want, **FP32_TOL)
+    with torch.no_grad():  # log-probs alone: bit for bit those of the pass with entropy and sum p^2
+        lp_only = fused_logprob_stats(hidden, weight, labels, compute_entropy=False, temperature=temperature,
+                                      chunk_size=10, backend="torch")[0]
+        full = fused_logprob_stats(hidden, weight, labels, compute_sum_sq=True, temperature=temperature,
+                                   chunk_size=10, backend="torch")[0]
+    assert torch.equal(lp_only, full)
