@@ -385,6 +385,11 @@ def report(name: str, ours: dict, trl: dict, spec: dict, floor: dict, *, threads
         row = per_step[side_name]
         print(f"  {side_name:<18}" + "".join(f"{row[ph]:14.3f}" for ph in (*PHASES, "other"))
               + f"{sum(row.values()):14.3f}")
+    # Each phase's distance from its own floor: where the rest of the gap is.
+    phase_ratio = {ph: per_step["ours"][ph] / floor[ph] for ph in PHASES if floor[ph] > 0}
+    print("ours over the floor per phase: " + ", ".join(f"{ph} {r:.2f}x ({per_step['ours'][ph]:.2f} s vs "
+                                                        f"{floor[ph]:.2f} s)" for ph, r in phase_ratio.items())
+          + f", other {per_step['ours']['other']:.2f} s (no floor)")
     floor_step = floor["step"]
     ours_step, trl_step = (sum(side["seconds"]) / len(side["seconds"]) for side in (ours, trl))
     floor_ratio = ours_step / floor_step
@@ -406,6 +411,7 @@ def report(name: str, ours: dict, trl: dict, spec: dict, floor: dict, *, threads
            "ratio": round(ratio["sum"], 2), "goal": goal, "floor_s_per_step": round(floor_step, 4),
            "floor_ratio": round(floor_ratio, 2), "floor_vs_trl": round(best_possible, 2),
            "phase_s_per_step": {k: {ph: round(v, 4) for ph, v in row.items()} for k, row in per_step.items()},
+           "phase_floor_ratio": {ph: round(r, 2) for ph, r in phase_ratio.items()},
            "floor_gflops": {k: round(floor[f"{k}_gflops"], 1) for k in ("decode", "prefill", "update")}}
     for k in ("median", "best", "cpu"):
         out |= {f"ours_{k}_tokens_per_s": round(rate["ours"][k], 1),
