@@ -87,7 +87,11 @@ def test_streaming_trainer_on_real_servers_loses_and_repeats_nothing(real_server
                                 f"trainer.output_dir={tmp_path}", "algorithm.filter_groups.enable=true",
                                 "algorithm.filter_groups.metric=seq_reward", "algorithm.filter_groups.streaming=true",
                                 "data.gen_batch_size=12", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
-                                "algorithm.filter_groups.max_num_gen_batches=0", "reward.overlong_buffer.len=32")
+                                "algorithm.filter_groups.max_num_gen_batches=0", "reward.overlong_buffer.len=32",
+                                # one group request in flight per server: the groups not sent yet when the
+                                # step has its groups are cut whatever the machine's load (with every request
+                                # in flight at once, a loaded machine could see them all finish first)
+                                "rollout.max_concurrency=1")
     assert run(load_config("configs/tiny_cpu.yaml", overrides)) == 0
     scalars = _scalars(tmp_path)
     assert all(d < MEAN_DIFF_TOL for d in scalars["rollout_corr/log_prob_abs_diff"].values())
