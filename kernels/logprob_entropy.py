@@ -299,10 +299,10 @@ def _local_target(labels: Tensor, vocab_start: int, v: int) -> tuple[Tensor, Ten
     return local.clamp(0, v - 1), owned
 
 
-def tile_stats(z: Tensor, stats: Tensor | None, col: Tensor, owned: Tensor, out: Tensor, entropy: bool,
+def tile_stats(z: Tensor, first: bool, col: Tensor, owned: Tensor, out: Tensor, entropy: bool,
                sum_sq: bool) -> None:
     """Fold the fp32 logits z [C, B] of one vocabulary tile into out[:, k] = m, s, t, zy (, q) of its C
-    tokens (`stats` None: z is the first tile; t only when `entropy`); consumes z's buffer.
+    tokens (`first`: z is the first tile, out holds nothing yet; t only when `entropy`); consumes z's buffer.
 
     m is the running max, s = sum exp(z - m), t = sum exp(z - m) (z - m), q = sum exp(2 (z - m)): a new
     max m' rescales them by r = exp(m - m'), t by r (t + s log r), q by r^2. col / owned: the label's
@@ -311,13 +311,13 @@ def tile_stats(z: Tensor, stats: Tensor | None, col: Tensor, owned: Tensor, out:
     operations whatever the flags: bit for bit the same values."""
     zy = torch.where(owned, z.gather(1, col[:, None]).squeeze(1), 0.0)
     tile_max = z.max(dim=1).values
-    m = tile_max if stats is None else torch.maximum(out[:, 0], tile_max)
+    m = tile_max if first else torch.maximum(out[:, 0], tile_max)
     zs = z.sub_(m[:, None])
     e = zs.exp() if entropy or sum_sq else zs.exp_()
     s = e.sum(dim=1)
     t = torch.bmm(e.unsqueeze(1), zs.unsqueeze(2)).view(-1) if entropy else None
     q = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1) if sum_sq else None
-    if stats is not None:
+    if not first:
         log_r = out[:, 0] - m
         r = log_r.exp()
         if entropy:
@@ -356,7 +356,7 @@ def _torch_local_stats(hidden, weight, labels, temperature, vocab_start, chunk_s
             b1 = min(v, b0 + tile)
             z = chunk_logits(h32[c0:c1], w32[b0:b1], temperature)  # [C, B]
             here = owned[c0:c1] & (col[c0:c1] >= b0) & (col[c0:c1] < b1)
-            tile_stats(z, None if b0 == 0 else stats, (col[c0:c1] - b0).clamp(0, b1 - b0 - 1), here,
+            tile_stats(z, b0 == 0, (col[c0:c1] - b0).clamp(0, b1 - b0 - 1), here,
                        stats[c0:c1], entropy, sum_sq)
             del z  # the tile's buffers go before the next one is allocated
     return tuple(stats.t()[:, None, :].unbind(0))
