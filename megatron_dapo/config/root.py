@@ -51,10 +51,7 @@ class Config:
         _check_rollout_correction(self)
         _check_bypass(self)
         _check_queue(self)
-        if self.actor.router_replay and (self.parallel.tensor_model_parallel_size > 1
-                                         or self.parallel.pipeline_model_parallel_size > 1):
-            raise ConfigError("actor.router_replay", "needs tensor and pipeline parallel size 1 (the recorded "
-                              "routing is kept per sequence; sequence-parallel shards are not mapped yet)")
+        _check_router_replay(self)
         self.parallel.check_world_size(self.trainer.world_size)
         if self.data.task == "files" and self.trainer.test_freq > 0 and not self.data.val_files:
             raise ConfigError("data.val_files", "a validation set is required when trainer.test_freq > 0 "
@@ -176,6 +173,18 @@ def _check_rollout_correction(cfg: Config) -> None:
     if explicit:
         raise ConfigError(f"algorithm.rollout_correction.{explicit[0]}",
                           f"set together with preset={rc.preset!r}; use either the preset or explicit keys")
+
+
+def _check_router_replay(cfg: Config) -> None:
+    mode = cfg.actor.router_replay
+    if mode == "off":
+        return
+    if cfg.model.recompute == "full":
+        raise ConfigError("actor.router_replay", "is not supported with model.recompute=full: the recomputed "
+                          "forward in the backward pass would route again (use selective or none)")
+    if mode == "r3" and cfg.rollout.engine != "sglang":
+        raise ConfigError("actor.router_replay", "r3 replays the routing SGLang reports per request: it needs "
+                          f"rollout.engine=sglang (got {cfg.rollout.engine!r}); r2 records it in the trainer")
 
 
 def _check_bypass(cfg: Config) -> None:

@@ -232,8 +232,8 @@ class ActorConfig:
     """Colocated SGLang: move the optimizer state (Adam moments, fp32 master copy) to host memory while the servers run, and back before the update; the servers' KV pool grows by up to that much (not beyond what SGLang sizes at launch; python -m megatron_dapo.plan shows both), and each step pays two copies of it between GPU and host."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
-    router_replay: bool = False
-    """MoE: record each response token's top-k experts in the old_log_prob pass and replay them in the training forward, so the update routes as the behaviour policy did (needs TP = PP = 1)."""
+    router_replay: Literal["off", "r2", "r3"] | bool = "off"
+    """MoE routing replay: the update routes every token to the experts the behaviour policy chose. `r2`: the old_log_prob pass records each token's top-k experts per MoE layer and the update's forwards replay them; `r3`: the rollout engine's own choices (SGLang returns them per request), replayed in the old_log_prob, reference and update passes. Any TP / PP / EP layout; not with model.recompute=full. Logs router_replay/engaged_layers and router_replay/mismatch_frac; a step where a MoE layer did not take the replayed routing is an error. true = r2, false = off. [recipe: actor_rollout_ref.actor.router_replay.mode]"""
     mtp_detach_trunk: bool = False
     """Train the MTP layers on a detached copy of the trunk's hidden states: the drafter follows the policy and the MTP loss does not reach the decoder layers."""
     old_log_prob_from_update: bool = True
@@ -255,6 +255,8 @@ class ActorConfig:
         _check(self.kl_loss_coef >= 0, "actor.kl_loss_coef", ">= 0", self.kl_loss_coef)
         _check(self.mtp_loss_scaling_factor >= 0, "actor.mtp_loss_scaling_factor", ">= 0",
                self.mtp_loss_scaling_factor)
+        if isinstance(self.router_replay, bool):  # the key was a switch before the modes: true meant R2
+            self.router_replay = "r2" if self.router_replay else "off"
 
 
 @dataclass

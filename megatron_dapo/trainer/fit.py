@@ -93,7 +93,7 @@ def old_log_prob_from_update(cfg: Config, rc: dict, actor) -> bool:
     a = cfg.actor
     return (a.old_log_prob_from_update and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
             and not rc["bypass_mode"] and not rc["rollout_is"] and not rc["rollout_rs"]
-            and not cfg.algorithm.use_kl_in_reward and not a.router_replay and not actor.policy.is_moe)
+            and not cfg.algorithm.use_kl_in_reward and a.router_replay == "off" and not actor.policy.is_moe)
 
 
 class DAPOTrainer:

@@ -206,14 +206,16 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(self._loss_func, batch, totals, denom, plan.counts(), record, plan)
-        replay = (lambda mb: self.policy.replay_targets(mb, batch.responses)) if self.policy.router_replay else None
+        replay = self.policy.replay(batch.responses) if self.policy.router_replay else None
         try:
-            self.policy.run(plan.microbatches, loss_func, forward_only=False, before_forward=replay)
+            self.policy.run(plan.microbatches, loss_func, forward_only=False,
+                            before_forward=replay.before_forward if replay is not None else None)
         finally:
             if replay is not None:
-                self.policy.clear_replay()
+                replay.remove()
+        replayed = replay.metrics(self.pgs) if replay is not None else {}
         ok, grad_norm, _ = self.optimizer.step()
-        return self._reduce(totals, grad_norm, ok)
+        return {**self._reduce(totals, grad_norm, ok), **replayed}
 
     def _reduce(self, totals: dict[str, Tensor], grad_norm, ok: bool) -> dict[str, Tensor]:
         keys = list(totals)

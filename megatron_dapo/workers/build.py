@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.algos.policy_loss import get_policy_loss_fn
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.workers.actor import Actor, PolicyModel
@@ -26,7 +26,10 @@ def _config_overrides(cfg: Config, arch: ModelArch, pgs) -> dict:
     # Trained through Megatron DDP (main_grad), so gradient_accumulation_fusion may be on too.
     out.update(resolve_fusions(default_backend(pgs.device), arch=arch, main_grad=True, device_type=pgs.device.type,
                                **{name: getattr(cfg.model, name) for name in FUSIONS}))
-    if cfg.actor.router_replay:
+    if cfg.actor.router_replay != "off":
+        if not arch.num_moe_experts:
+            raise ConfigError("actor.router_replay", f"is {cfg.actor.router_replay!r} but model {arch.name!r} has "
+                              "no MoE layers: set it to off")
         out["moe_enable_routing_replay"] = True
     if cfg.parallel.pipeline_model_parallel_size > 1:
         # p2p shapes differ per micro-batch (token-budget packing), except with virtual stages: there every
@@ -123,7 +126,7 @@ def build_actor(cfg: Config, pgs, *, vocab_size: int, pad_id: int) -> Actor:
     return actor
 
 
-def _policy_model(cfg: Config, chunks: list, pgs, *, pad_id: int, vocab_size: int, router_replay: bool) -> PolicyModel:
+def _policy_model(cfg: Config, chunks: list, pgs, *, pad_id: int, vocab_size: int, router_replay: str) -> PolicyModel:
     """The policy over `chunks`, laid out as the update lays out its mini-batches (so compute_log_prob
     runs the update's own micro-batches), thd-packed where the layer spec is Transformer Engine's."""
     from megatron_dapo.models.builder import default_backend
@@ -177,4 +180,4 @@ def build_reference(cfg: Config, pgs, *, vocab_size: int, pad_id: int, actor: Ac
     for c in chunks:
         c.requires_grad_(False)
         c.eval()
-    return _policy_model(cfg, chunks, pgs, pad_id=pad_id, vocab_size=arch.vocab_size, router_replay=False)
+    return _policy_model(cfg, chunks, pgs, pad_id=pad_id, vocab_size=arch.vocab_size, router_replay="off")

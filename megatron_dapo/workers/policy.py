@@ -87,12 +87,18 @@ class PassPlan:
         return len(self.microbatches)
 
 
+def _both(first, second):
+    """before_forward hooks: the ones given, in order (None when neither)."""
+    hooks = [h for h in (first, second) if h]
+    return (lambda chunk, mb: [h(chunk, mb) for h in hooks]) if hooks else None
+
+
 class PolicyModel:
     """A (possibly pipelined / DDP-wrapped) Megatron model that computes per-token log-probs."""
 
     def __init__(self, model_chunks: list, *, pgs, pad_id: int, temperature: float, max_tokens: int,
                  vocab_size: int, minibatch_rows: int | None = None, balance_rows: bool = True,
-                 packed_sequences: bool = False, router_replay: bool = False):
+                 packed_sequences: bool = False, router_replay: str = "off"):
         """minibatch_rows / balance_rows: the update's layout (rows per mini-batch, token-balanced DP
         shards); compute_log_prob shards a batch of a multiple of minibatch_rows rows the same way, so
         every rank computes (and records routing for) exactly the rows it trains, in the very micro-batches
@@ -105,10 +111,12 @@ class PolicyModel:
         self.vocab_size = vocab_size
         self.minibatch_rows, self.balance_rows = minibatch_rows, balance_rows
         self.packed = packed_sequences
-        self.router_replay = router_replay
+        self.router_replay = router_replay != "off"
+        self.replay_mode = router_replay
         # Router replay: per row this rank trains, [L, seq_len, K] expert ids of the last compute_log_prob
         # batch, keyed by the batch's responses tensor so a stale record is never used.
         self._routing: dict | None = None
+        self.last_replay_metrics: dict[str, Tensor] = {}  # router_replay/* of the last replayed forward-only pass
         # Sequence parallelism splits the sequence (bshd: S, thd: the packed total) over the TP ranks.
         self.sequence_parallel = bool(unwrap_model(model_chunks[0]).config.sequence_parallel) and pgs.tp_size > 1
         self.seq_multiple = pgs.tp_size if self.sequence_parallel else 1
@@ -228,25 +236,40 @@ class PolicyModel:
     def _routers(self) -> list:
         return routing.moe_routers(self.chunks)
 
-    def replay_targets(self, mb: MicroBatch, responses: Tensor) -> None:
-        """Before a training forward: set every router's replay target from the recorded routing."""
+    def provide_routing(self, responses: Tensor, rows: dict[int, Tensor]) -> None:
+        """R3: the rollout engine's routing of the batch `responses`, row -> [L_total, seq_len, K] (every MoE
+        layer of the model, every position of the row: prompt then response); the rows this rank computes
+        at least. This rank keeps its layers' part; compute_log_prob and the update replay it."""
+        layers = routing.RankRouters(self.chunks)
+        self._routing = {"key": responses, "provided": True,
+                         "rows": {r: layers.local_part(t, where=f"row {r}") for r, t in rows.items()}}
+
+    def replay(self, responses: Tensor) -> routing.RoutingReplay:
+        """For a training pass of the batch `responses`: the replay of its recorded routing (call
+        `before_forward` per chunk and micro-batch, `metrics` after the pass, `remove` always)."""
         if self._routing is None or self._routing["key"] is not responses:
             raise ValueError("actor.router_replay: no routing was recorded for this batch "
                              "(compute_log_prob must run on the same batch first)")
-        routing.replay_targets(self._routers(), mb, self._routing["rows"], device=self.pgs.device)
-
-    def clear_replay(self) -> None:
-        routing.set_replay_action(self._routers(), None)
+        return routing.RoutingReplay(routing.RankRouters(self.chunks), self._routing["rows"],
+                                     sequence_parallel=self.sequence_parallel, tp_size=self.pgs.tp_size,
+                                     tp_rank=self.pgs.tp_rank, device=self.pgs.device)
 
     # -- the schedule ------------------------------------------------------------------------------
-    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, before_forward=None):
+    def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, before_forward=None,
+            after_forward=None):
+        """One pass of Megatron's schedule. before_forward / after_forward(chunk, mb): called around each
+        model chunk's forward of a micro-batch (chunk: its index in self.chunks, i.e. the virtual stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            chunk = next(i for i, c in enumerate(self.chunks) if c is model)
             if before_forward is not None:
-                before_forward(mb)
-            return self._forward(model, mb, training=not forward_only), partial(loss_func, mb)
+                before_forward(chunk, mb)
+            out = self._forward(model, mb, training=not forward_only)
+            if after_forward is not None:
+                after_forward(chunk, mb)
+            return out, partial(loss_func, mb)
 
         _reset_megatron_loss_scalers()
         fb = get_forward_backward_func()
@@ -272,15 +295,14 @@ class PolicyModel:
         counted = routers if self.pgs.pp_size == 1 else []  # per-stage layers: PP not counted
         counts = (routing.RoutingCounts(counted, device=self.pgs.device, sequence_parallel=self.sequence_parallel,
                                         tp_size=self.pgs.tp_size, tp_rank=self.pgs.tp_rank) if counted else None)
-        record = self.router_replay and bool(routers)
-        recorded: dict[int, Tensor] = {}
-        if record:
-            routing.set_replay_action(routers, "RECORD")
+        provided = self._routing is not None and self._routing.get("provided") and self._routing["key"] is responses
+        replay = self.replay(responses) if provided else None
+        recorder = (routing.RoutingRecorder(routing.RankRouters(self.chunks), tp_group=self.pgs.tp,
+                                            tp_size=self.pgs.tp_size, sequence_parallel=self.sequence_parallel)
+                    if self.router_replay and routers and not provided else None)
         weight = self.lm_head_weight() if self.pgs.is_last_pp_stage else None
 
         def loss_func(mb, output):
-            if record:
-                routing.collect_routing(routers, mb, recorded)
             if mb.token_index.numel():
                 lp, ent, sq = self.token_stats(output, mb, weight=weight, entropy=with_entropy, sum_sq=with_sum_sq)
                 local[:, plan.dest[id(mb)].to(local.device)] = torch.stack([v for v in (lp, ent, sq) if v is not None])
@@ -290,14 +312,22 @@ class PolicyModel:
             m.eval()
         try:
             self.run(plan.microbatches, loss_func, forward_only=True,
-                     before_forward=counts.set_microbatch if counts is not None else None)
+                     before_forward=_both(counts and (lambda _, mb: counts.set_microbatch(mb)),
+                                          replay and replay.before_forward),
+                     after_forward=recorder.after_forward if recorder is not None else None)
+        except BaseException:
+            if recorder is not None:
+                recorder.abandon()
+            raise
         finally:
             if counts is not None:
                 counts.remove()
-            if record:
-                routing.set_replay_action(routers, None)
-        if record:  # only the rows this rank trains: compute_log_prob sharded them as the update will
-            self._routing = {"key": responses, "rows": recorded}
+            if replay is not None:
+                replay.remove()
+        if replay is not None:
+            self.last_replay_metrics = replay.metrics(self.pgs)
+        if recorder is not None:  # only the rows this rank trains: compute_log_prob sharded them as the update will
+            self._routing = {"key": responses, "rows": recorder.finish()}
         routed = counts.reduce(self.pgs) if counts is not None else None
         stats = iter(self.gather_tokens(plan, local, response_length, T))
         lp = next(stats)

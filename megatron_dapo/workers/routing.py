@@ -8,8 +8,10 @@ packed position), under sequence parallelism only this TP rank's contiguous shar
 
 Counts stay on the device for the whole pass and are copied to the host once (a host copy per layer
 and micro-batch would synchronise the device L x micro-batches times). Replay records keep, per row
-this rank trains, one [L, seq_len, K] tensor of uint8 expert ids (int16 above 256 experts): at the
-32B recipe's scale 1 B instead of int64's 8 per id, and no row that another rank trains.
+this rank trains, one [L_local, seq_len, K] tensor of uint8 expert ids (int16 above 256 experts), every
+position of the row (prompt and response): 1 B instead of int64's 8 per id, only this rank's pipeline
+stage's layers (L_local), and no row that another data-parallel rank trains (the TP ranks of one DP rank
+hold the same rows' records: see RoutingRecorder).
 """
 
 from __future__ import annotations
@@ -91,34 +93,206 @@ def set_replay_action(routers: list, action: str | None) -> None:
             r.router_replay.set_router_replay_action(RouterReplayAction[action])
 
 
-def collect_routing(routers: list, mb: MicroBatch, out: dict[int, Tensor]) -> None:
-    """After a recorded forward: out[row] = [L, seq_len, K] expert ids of every position of the row."""
-    if mb.is_filler or not routers:
-        return
-    dtype = expert_id_dtype(routers[0].config.num_moe_experts)
-    per_layer = [r.router_replay.get_recorded_indices() for r in routers]  # [C * R, K] each
-    for k, row in enumerate(mb.rows.tolist()):
-        n = int(mb.seq_len[k])
-        idx = seq_first(mb, mb.seq_start[k] + torch.arange(n)).to(per_layer[0].device)
-        out[row] = torch.stack([rec.index_select(0, idx) for rec in per_layer]).to("cpu", dtype)
+def moe_layer_pattern(config) -> list[bool]:
+    """Per decoder layer of the whole model (every pipeline stage): whether it is a MoE layer."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(f) for f in freq]
 
 
-def replay_targets(routers: list, mb: MicroBatch, record: dict[int, Tensor], *, device) -> None:
-    """Before a training forward: every router's replay target from the recorded routing."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+def moe_layer_total(config) -> int:
+    return sum(moe_layer_pattern(config)) if config.num_moe_experts else 0
 
-    for row in mb.rows.tolist():
-        if row not in record:
-            raise ValueError(f"actor.router_replay: no routing was recorded on this rank for row {row} "
-                             "(compute_log_prob and the update must shard the batch alike)")
-    tokens = mb.input_ids.numel()
-    for layer, r in enumerate(routers):
-        K = r.topk
-        target = torch.arange(K).repeat(tokens, 1)  # padding positions: any K distinct experts
+
+class RankRouters:
+    """This rank's routers per model chunk (virtual pipeline stage), flattened in chunk order.
+
+    Routing records are [L_local, tokens, K] with L_local = this rank's MoE layers (its pipeline stage's, all
+    its chunks), layer l at flat index l; `chunk_slice(c)` are the layers of chunk c."""
+
+    def __init__(self, chunks: list):
+        self.per_chunk = [moe_routers([c]) for c in chunks]
+        self.flat = [r for rs in self.per_chunk for r in rs]
+        starts = [0]
+        for rs in self.per_chunk:
+            starts.append(starts[-1] + len(rs))
+        self._starts = starts
+        config = unwrap_model(chunks[0]).config
+        self.total = moe_layer_total(config)
+        self.top_k = config.moe_router_topk
+        self.num_experts = config.num_moe_experts or 0
+        self.dtype = expert_id_dtype(config.num_moe_experts or 1)
+        # Each router's index among the model's MoE layers (layer_number: 1-based, over all stages).
+        pattern = moe_layer_pattern(config)
+        self.moe_index = [sum(pattern[:r.layer_number - 1]) for r in self.flat]
+
+    def local_part(self, full: Tensor, *, where: str) -> Tensor:
+        """[L_total, n, K] routing of every MoE layer of the model -> [L_local, n, K], this rank's layers."""
+        if full.dim() != 3 or full.shape[0] != self.total or full.shape[2] != self.top_k:
+            raise ValueError(f"actor.router_replay: {where}: routing of shape {tuple(full.shape)}, the model needs "
+                             f"[{self.total} MoE layers, tokens, top-k {self.top_k}]")
+        if full.numel() and int(full.max()) >= self.num_experts:
+            raise ValueError(f"actor.router_replay: {where}: expert id {int(full.max())} >= the model's "
+                             f"{self.num_experts} experts")
+        return full[self.moe_index].to(self.dtype)
+
+    def chunk_slice(self, chunk: int) -> slice:
+        return slice(self._starts[chunk], self._starts[chunk + 1])
+
+    def __len__(self) -> int:
+        return len(self.flat)
+
+
+def _sp_gather(local: Tensor, tp_group, tp_size: int) -> Tensor:
+    """[L, tokens / tp, K] of this TP rank's sequence shard -> [L, tokens, K] (contiguous shards in rank order)."""
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=1)
+
+
+class RoutingRecorder:
+    """R2's record: during a forward-only pass, each chunk's routers record their top-k; after each chunk's
+    forward of a micro-batch the ids of every position of every row are kept, per row this rank computes.
+
+    Under sequence parallelism a router sees only its TP rank's shard of the tokens: the shards are gathered
+    over TP, so the TP ranks of a data-parallel rank (which train the same rows) hold the same full records;
+    the update may bin the rows differently (its micro-batches, hence its shards, need not be these)."""
+
+    def __init__(self, layers: RankRouters, *, tp_group, tp_size: int, sequence_parallel: bool):
+        self.layers = layers
+        self.tp = (tp_group, tp_size) if sequence_parallel and tp_size > 1 else None
+        self._parts: dict[int, list[Tensor | None]] = {}
+        set_replay_action(layers.flat, "RECORD")
+
+    def after_forward(self, chunk: int, mb: MicroBatch) -> None:
+        routers = self.layers.per_chunk[chunk]
+        if mb.is_filler or not routers:
+            return
+        rec = torch.stack([r.router_replay.get_recorded_indices() for r in routers])  # [Lc, tokens(/tp), K]
+        if self.tp is not None:
+            rec = _sp_gather(rec, *self.tp)
+        rec = rec.to("cpu", self.layers.dtype)
+        span = self.layers.chunk_slice(chunk)
         for k, row in enumerate(mb.rows.tolist()):
-            rec = record[row][layer]
-            idx = seq_first(mb, mb.seq_start[k] + torch.arange(rec.shape[0]))
-            target[idx] = rec.long()
-        r.router_replay.clear_indices()
-        r.router_replay.set_target_indices(target.to(device))
-        r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            idx = seq_first(mb, mb.seq_start[k] + torch.arange(int(mb.seq_len[k])))
+            parts = self._parts.setdefault(row, [None] * len(self.layers))
+            parts[span] = list(rec[:, idx].unbind(0))
+
+    def finish(self) -> dict[int, Tensor]:
+        """row -> [L_local, seq_len, K] expert ids; every layer of every row must have been recorded."""
+        set_replay_action(self.layers.flat, None)
+        out = {}
+        for row, parts in self._parts.items():
+            missing = [i for i, p in enumerate(parts) if p is None]
+            if missing:
+                raise RuntimeError(f"actor.router_replay: row {row} has no recorded routing for this rank's MoE "
+                                   f"layers {missing} (a model chunk did not run it)")
+            out[row] = torch.stack(parts)
+        return out
+
+    def abandon(self) -> None:
+        set_replay_action(self.layers.flat, None)
+
+
+class RoutingReplay:
+    """Replay of recorded routing in the training forwards, with its self-check.
+
+    Before each chunk's forward of a micro-batch, that chunk's routers get the micro-batch's target top-k
+    (padding and filler positions: experts 0..K-1, outside the check). Each router's top-k call is observed:
+    a layer is *engaged* when every forward of its chunk took the replayed choice (a router that the forward
+    never reached, e.g. a stale copy of the decoder, stays at 0), and at the real positions the router's own
+    top-k (the set it would pick from its scores) is compared with the replayed one: the mismatch counts
+    (token, layer) pairs whose sets differ, the drift between the recorded routing and the current router.
+    """
+
+    def __init__(self, layers: RankRouters, record: dict[int, Tensor], *, sequence_parallel: bool, tp_size: int,
+                 tp_rank: int, device):
+        self.layers, self.record, self.device = layers, record, device
+        self.sp = (tp_size, tp_rank) if sequence_parallel and tp_size > 1 else None
+        n = len(layers)
+        self.replayed = torch.zeros(n, dtype=torch.int64, device=device)
+        self.forwards = torch.zeros(n, dtype=torch.int64, device=device)
+        self.mismatched = torch.zeros((), dtype=torch.int64, device=device)
+        self.compared = torch.zeros((), dtype=torch.int64, device=device)
+        self._mask: list[Tensor | None] = [None] * n
+        for i, r in enumerate(layers.flat):
+            r.router_replay.get_replay_topk = self._probe(i, r.router_replay)
+
+    def _probe(self, layer: int, replay):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        bound = type(replay).get_replay_topk.__get__(replay)
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            out = bound(scores, topk, num_groups, group_topk, default_compute_topk)
+            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                self.replayed[layer] += 1
+                mask = self._mask[layer]
+                if mask is not None and mask.any():
+                    with torch.no_grad():
+                        own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+                        differ = (own.sort(-1).values != out[1].sort(-1).values).any(-1)
+                        self.mismatched += (differ & mask).sum()
+                        self.compared += mask.sum()
+            return out
+        return get_replay_topk
+
+    def before_forward(self, chunk: int, mb: MicroBatch) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        span = self.layers.chunk_slice(chunk)
+        routers = self.layers.per_chunk[chunk]
+        if not routers:
+            return
+        rows = mb.rows.tolist()
+        for row in rows:
+            if row not in self.record:
+                raise ValueError(f"actor.router_replay: no routing was recorded on this rank for row {row} "
+                                 "(compute_log_prob and the update must shard the batch alike)")
+        tokens, K = mb.input_ids.numel(), self.layers.top_k
+        target = torch.arange(K).repeat(len(routers), tokens, 1)  # [Lc, tokens, K]
+        real = torch.zeros(tokens, dtype=torch.bool)
+        for k, row in enumerate(rows):
+            rec = self.record[row][span]
+            idx = seq_first(mb, mb.seq_start[k] + torch.arange(rec.shape[1]))
+            target[:, idx] = rec.long()
+            real[idx] = True
+        if self.sp is not None:
+            tp, rank = self.sp
+            shard = tokens // tp
+            target, real = target[:, rank * shard:(rank + 1) * shard], real[rank * shard:(rank + 1) * shard]
+        real = real.to(self.device)
+        for j, r in enumerate(routers):
+            r.router_replay.clear_indices()
+            r.router_replay.set_target_indices(target[j].to(self.device))
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._mask[span.start + j] = real
+        self.forwards[span] += 1
+
+    def remove(self) -> None:
+        for r in self.layers.flat:
+            r.router_replay.__dict__.pop("get_replay_topk", None)
+        set_replay_action(self.layers.flat, None)
+
+    def metrics(self, pgs) -> dict[str, Tensor]:
+        """router_replay/engaged_layers (MoE layers of the whole model that replayed in every forward, on every
+        rank) and router_replay/mismatch_frac over this pass; raises when fewer layers engaged than exist."""
+        ok = ((self.replayed == self.forwards) & (self.forwards > 0)).sum().reshape(1)
+        for group, size in ((pgs.tp, pgs.tp_size), (pgs.dp, pgs.dp_size)):
+            if size > 1:
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        counts = torch.stack([self.mismatched, self.compared]).reshape(2)
+        for group, size, split in ((pgs.tp, pgs.tp_size, self.sp is not None), (pgs.dp, pgs.dp_size, True),
+                                   (pgs.pp, pgs.pp_size, True)):
+            if size > 1 and split:
+                dist.all_reduce(counts, group=group)
+        if pgs.pp_size > 1:
+            dist.all_reduce(ok, group=pgs.pp)
+        engaged = int(ok)
+        if engaged < self.layers.total:
+            raise RuntimeError(f"actor.router_replay: only {engaged} of the model's {self.layers.total} MoE layers "
+                               "took the replayed routing in every forward of the update (a router the forward "
+                               "does not run got the targets, or a micro-batch was not replayed)")
+        return {"router_replay/engaged_layers": torch.tensor(float(engaged)),
+                "router_replay/mismatch_frac": (counts[0].float() / counts[1].clamp(min=1)).cpu()}
