@@ -179,12 +179,13 @@ def _check_router_replay(cfg: Config) -> None:
     mode = cfg.actor.router_replay
     if mode == "off":
         return
-    if cfg.model.recompute == "full":
-        raise ConfigError("actor.router_replay", "is not supported with model.recompute=full: the recomputed "
-                          "forward in the backward pass would route again (use selective or none)")
-    if mode == "r3" and cfg.rollout.engine != "sglang":
-        raise ConfigError("actor.router_replay", "r3 replays the routing SGLang reports per request: it needs "
-                          f"rollout.engine=sglang (got {cfg.rollout.engine!r}); r2 records it in the trainer")
+    if mode == "r3":
+        if cfg.rollout.engine != "sglang":
+            raise ConfigError("actor.router_replay", "r3 replays the routing SGLang reports per request: it needs "
+                              f"rollout.engine=sglang (got {cfg.rollout.engine!r}); r2 records it in the trainer")
+        raise ConfigError("actor.router_replay", "r3 is not available yet: the SGLang client decodes the routing "
+                          "each request returns, but the trainer does not carry it to the ranks that train the "
+                          "rows; use r2 (recorded in the old_log_prob pass)")
 
 
 def _check_bypass(cfg: Config) -> None:

@@ -233,7 +233,7 @@ class ActorConfig:
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP loss when the model has MTP layers."""
     router_replay: Literal["off", "r2", "r3"] | bool = "off"
-    """MoE routing replay: the update routes every token to the experts the behaviour policy chose. `r2`: the old_log_prob pass records each token's top-k experts per MoE layer and the update's forwards replay them; `r3`: the rollout engine's own choices (SGLang returns them per request), replayed in the old_log_prob, reference and update passes. Any TP / PP / EP layout; not with model.recompute=full. Logs router_replay/engaged_layers and router_replay/mismatch_frac; a step where a MoE layer did not take the replayed routing is an error. true = r2, false = off. [recipe: actor_rollout_ref.actor.router_replay.mode]"""
+    """MoE routing replay: the update routes every token to the experts the behaviour policy chose. `r2`: the old_log_prob pass records each token's top-k experts per MoE layer and the update's forwards replay them; `r3` (refused for now: the trainer does not yet carry SGLang's per-request routing to the ranks): the rollout engine's own choices, replayed in the old_log_prob and update passes. Any TP / PP / VPP / EP layout, with or without model.recompute. Logs router_replay/engaged_layers and router_replay/mismatch_frac; a step where a MoE layer did not take the replayed routing is an error. true = r2, false = off. [recipe: actor_rollout_ref.actor.router_replay.mode]"""
     mtp_detach_trunk: bool = False
     """Train the MTP layers on a detached copy of the trunk's hidden states: the drafter follows the policy and the MTP loss does not reach the decoder layers."""
     old_log_prob_from_update: bool = True

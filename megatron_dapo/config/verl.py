@@ -78,6 +78,13 @@ def _reward_manager(value):
                      "(auto = math_dapo for data files), or reward.custom_function.path for your own")
 
 
+def _router_replay(value):
+    modes = {"disabled": "off", "R2": "r2", "R3": "r3"}
+    if value not in modes:
+        raise ValueError(f"expected one of {', '.join(modes)} (got {value!r})")
+    return modes[value]
+
+
 def _do_sample(value):
     if value is not True:
         raise ValueError("validation always samples here: set rollout.val_kwargs.temperature=0 for greedy decoding")
@@ -104,6 +111,8 @@ ALIASES: dict[str, Alias] = {
         "model.recompute", lambda v: "full" if v else "none", "true -> full, false -> none"),
     "actor_rollout_ref.model.use_remove_padding": Alias(None, _true(_PACKED), _PACKED),
     "actor_rollout_ref.model.use_fused_kernels": Alias("actor.use_fused_kernels"),
+    "actor_rollout_ref.actor.router_replay.mode": Alias("actor.router_replay", _router_replay,
+                                                        "disabled -> off, R2 -> r2, R3 -> r3"),
     "actor_rollout_ref.model.override_config.attention_dropout": Alias(
         None, _zero("no dropout in RL training here"), "0 only: no dropout here"),
     "actor_rollout_ref.model.override_config.embd_pdrop": Alias(None, _zero("no dropout in RL training here"),

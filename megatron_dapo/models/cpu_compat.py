@@ -108,6 +108,37 @@ def _patch_megatron() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
+    # shim "ckptrng": full activation recompute (model.recompute=full) saves the CUDA generator's state
+    # before a checkpointed forward and restores it around the recompute (CheckpointFunction,
+    # random.py:_get_all_rng_states / _set_all_rng_states). Prevents, in the first training forward:
+    # "AssertionError: Torch not compiled with CUDA enabled" (random.py:55). On CPU there is no CUDA
+    # generator: an empty state is saved and setting it does nothing; the CPU generator's state, which
+    # the same functions save and restore, is the one the recompute uses.
+    import megatron.core.tensor_parallel.random as mrandom
+    if not getattr(mrandom._get_cuda_rng_state, "_megatron_dapo_shim", False):
+        def _get_cuda_rng_state(*args, **kwargs):
+            return torch.empty(0, dtype=torch.uint8)
+
+        def _set_cuda_rng_state(*args, **kwargs):
+            return None
+
+        _get_cuda_rng_state._megatron_dapo_shim = True
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = _get_cuda_rng_state, _set_cuda_rng_state
+
+    # shim "recompute": the recomputed forward runs inside the backward pass, which the device mode's own
+    # handler of torch.autograd.backward started (a TorchFunctionMode is off inside its handler), so the
+    # layers' device="cuda" (transformer/utils.get_default_causal_mask) would reach torch unrewritten.
+    # Prevents "Torch not compiled with CUDA enabled" in the first backward with model.recompute=full:
+    # the checkpoint's backward runs under a CudaToCpuMode of its own.
+    backward = mrandom.CheckpointFunction.backward
+    if not getattr(backward, "_megatron_dapo_shim", False):
+        def checkpoint_backward(ctx, *args):
+            with CudaToCpuMode():
+                return backward(ctx, *args)
+
+        checkpoint_backward._megatron_dapo_shim = True
+        mrandom.CheckpointFunction.backward = staticmethod(checkpoint_backward)
+
 
 def _is_cuda(device) -> bool:
     if isinstance(device, str):
@@ -150,6 +181,7 @@ class CudaToCpuMode(TorchFunctionMode):
                 return name if args[0].is_cuda else name.replace("torch.", "torch.cuda.", 1)
             if len(args) > 1 and isinstance(args[1], str):
                 args = (args[0], args[1].replace("torch.cuda.", "torch.")) + tuple(args[2:])
+        return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

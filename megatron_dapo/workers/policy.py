@@ -244,15 +244,15 @@ class PolicyModel:
         self._routing = {"key": responses, "provided": True,
                          "rows": {r: layers.local_part(t, where=f"row {r}") for r, t in rows.items()}}
 
-    def replay(self, responses: Tensor) -> routing.RoutingReplay:
-        """For a training pass of the batch `responses`: the replay of its recorded routing (call
-        `before_forward` per chunk and micro-batch, `metrics` after the pass, `remove` always)."""
+    def replay(self, responses: Tensor, *, training: bool = True) -> routing.RoutingReplay:
+        """For a pass over the batch `responses`: the replay of its recorded routing (call `before_forward`
+        per chunk and micro-batch, `remove` always, then `metrics`)."""
         if self._routing is None or self._routing["key"] is not responses:
             raise ValueError("actor.router_replay: no routing was recorded for this batch "
                              "(compute_log_prob must run on the same batch first)")
         return routing.RoutingReplay(routing.RankRouters(self.chunks), self._routing["rows"],
                                      sequence_parallel=self.sequence_parallel, tp_size=self.pgs.tp_size,
-                                     tp_rank=self.pgs.tp_rank, device=self.pgs.device)
+                                     tp_rank=self.pgs.tp_rank, device=self.pgs.device, training=training)
 
     # -- the schedule ------------------------------------------------------------------------------
     def run(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool, before_forward=None,
@@ -296,7 +296,7 @@ class PolicyModel:
         counts = (routing.RoutingCounts(counted, device=self.pgs.device, sequence_parallel=self.sequence_parallel,
                                         tp_size=self.pgs.tp_size, tp_rank=self.pgs.tp_rank) if counted else None)
         provided = self._routing is not None and self._routing.get("provided") and self._routing["key"] is responses
-        replay = self.replay(responses) if provided else None
+        replay = self.replay(responses, training=False) if provided else None
         recorder = (routing.RoutingRecorder(routing.RankRouters(self.chunks), tp_group=self.pgs.tp,
                                             tp_size=self.pgs.tp_size, sequence_parallel=self.sequence_parallel)
                     if self.router_replay and routers and not provided else None)

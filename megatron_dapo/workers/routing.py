@@ -16,6 +16,8 @@ hold the same rows' records: see RoutingRecorder).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -204,11 +206,18 @@ class RoutingReplay:
     never reached, e.g. a stale copy of the decoder, stays at 0), and at the real positions the router's own
     top-k (the set it would pick from its scores) is compared with the replayed one: the mismatch counts
     (token, layer) pairs whose sets differ, the drift between the recorded routing and the current router.
+
+    Full recompute (model.recompute=full): Megatron runs a checkpointed layer's forward without autograd and
+    runs it again in the backward pass, by then other micro-batches' targets are set (pipeline schedules run
+    several forwards before a backward). A layer's forward under no-grad in a training pass keeps its target
+    in the layer's queue; a call with autograd on while the queue is not empty is that recompute, and takes
+    the oldest target (backward passes run in forward order, per chunk). Layers that are not checkpointed
+    never queue anything.
     """
 
     def __init__(self, layers: RankRouters, record: dict[int, Tensor], *, sequence_parallel: bool, tp_size: int,
-                 tp_rank: int, device):
-        self.layers, self.record, self.device = layers, record, device
+                 tp_rank: int, device, training: bool = True):
+        self.layers, self.record, self.device, self.training = layers, record, device, training
         self.sp = (tp_size, tp_rank) if sequence_parallel and tp_size > 1 else None
         n = len(layers)
         self.replayed = torch.zeros(n, dtype=torch.int64, device=device)
@@ -216,6 +225,8 @@ class RoutingReplay:
         self.mismatched = torch.zeros((), dtype=torch.int64, device=device)
         self.compared = torch.zeros((), dtype=torch.int64, device=device)
         self._mask: list[Tensor | None] = [None] * n
+        self._queued: list[deque] = [deque() for _ in range(n)]
+        self._unserved: list[int] = []
         for i, r in enumerate(layers.flat):
             r.router_replay.get_replay_topk = self._probe(i, r.router_replay)
 
@@ -223,18 +234,28 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         bound = type(replay).get_replay_topk.__get__(replay)
+        queued = self._queued[layer]
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+                return bound(scores, topk, num_groups, group_topk, default_compute_topk)
+            if torch.is_grad_enabled() and queued:  # full recompute of a checkpointed forward
+                current, replay.target_topk_idx = replay.target_topk_idx, queued.popleft()
+                try:
+                    return bound(scores, topk, num_groups, group_topk, default_compute_topk)
+                finally:
+                    replay.target_topk_idx = current
             out = bound(scores, topk, num_groups, group_topk, default_compute_topk)
-            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
-                self.replayed[layer] += 1
-                mask = self._mask[layer]
-                if mask is not None and mask.any():
-                    with torch.no_grad():
-                        own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
-                        differ = (own.sort(-1).values != out[1].sort(-1).values).any(-1)
-                        self.mismatched += (differ & mask).sum()
-                        self.compared += mask.sum()
+            if self.training and not torch.is_grad_enabled():
+                queued.append(replay.target_topk_idx)
+            self.replayed[layer] += 1
+            mask = self._mask[layer]
+            if mask is not None and mask.any():
+                with torch.no_grad():
+                    own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+                    differ = (own.sort(-1).values != out[1].sort(-1).values).any(-1)
+                    self.mismatched += (differ & mask).sum()
+                    self.compared += mask.sum()
             return out
         return get_replay_topk
 
@@ -270,15 +291,23 @@ class RoutingReplay:
             self._mask[span.start + j] = real
         self.forwards[span] += 1
 
-    def remove(self) -> None:
+    def remove(self) -> list[int]:
+        """Restore the routers; the layers (flat indices) whose queued targets were not all recomputed."""
         for r in self.layers.flat:
             r.router_replay.__dict__.pop("get_replay_topk", None)
         set_replay_action(self.layers.flat, None)
+        self._unserved = [i for i, q in enumerate(self._queued) if q]
+        for q in self._queued:
+            q.clear()
+        return self._unserved
 
     def metrics(self, pgs) -> dict[str, Tensor]:
         """router_replay/engaged_layers (MoE layers of the whole model that replayed in every forward, on every
         rank) and router_replay/mismatch_frac over this pass; raises when fewer layers engaged than exist."""
         ok = ((self.replayed == self.forwards) & (self.forwards > 0)).sum().reshape(1)
+        if self._unserved:
+            raise RuntimeError(f"actor.router_replay: the recomputed forwards of this rank's MoE layers "
+                               f"{self._unserved} did not all take their micro-batch's routing")
         for group, size in ((pgs.tp, pgs.tp_size), (pgs.dp, pgs.dp_size)):
             if size > 1:
                 dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)

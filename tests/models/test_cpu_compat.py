@@ -50,6 +50,20 @@ def test_rng_tracker_fork_works_without_cuda_rng(pgs):
     assert x.shape == (3,)
 
 
+def test_ckptrng_and_recompute_full_activation_recompute_gives_the_plain_gradient(pgs):
+    """model.recompute=full: the checkpoint saves and restores the (absent) CUDA generator ("ckptrng") and
+    recomputes each layer inside the backward pass under the device mode ("recompute")."""
+    tokens, pos = sample_tokens(2, 16, vocab=512, seed=4)
+    grads = []
+    for overrides in ({}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                           "recompute_num_layers": 1}):
+        model = build_gpt_model(get_arch("tiny"), pgs=pgs, seed=2, config_overrides=overrides)
+        model.train()
+        model(tokens, pos, None).float().square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
 def test_tegemm_moe_router_forward(pgs):
     model = build_gpt_model(get_arch("tiny_moe"), pgs=pgs, seed=2)
     router = model.decoder.layers[0].mlp.router

@@ -1,7 +1,8 @@
 """torchrun --nproc_per_node 4 tests/workers/_mp_replay.py LAYOUT OUT_DIR: router replay at a MoE layout.
 
     tp2_ep2   TP 2 x DP 2, EP 2, expert-TP 1 (sequence parallel: each router sees half the tokens)
-    pp2_ep2   PP 2 x DP 2, EP 2 (each stage holds 2 of the 4 MoE layers)
+    pp2_ep2   PP 2 x DP 2, EP 2 (each stage holds 2 of the 4 MoE layers), full recompute (the MoE recipe's):
+              every layer runs again in the backward pass, after later micro-batches' forwards
     pp2_vpp2_ep2  the same with 2 virtual stages per rank (chunks of one layer: rank 0 holds layers 0 and 2)
 
 `replay_case` is what test_router_replay_mp.py also runs on one process, on the same weights: R2's record
@@ -11,6 +12,7 @@ before the update, a chosen routing replayed in a forward-only pass (R3's path: 
 """
 
 import sys
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ LAYOUTS = {"tp2_ep2": (dict(tp=2, ep=2, etp=1), {"parallel.tensor_model_parallel
                                                   "parallel.expert_model_parallel_size": 2,
                                                   "parallel.expert_tensor_parallel_size": 1}),
            "pp2_ep2": (dict(pp=2, ep=2), {"parallel.pipeline_model_parallel_size": 2,
-                                          "parallel.expert_model_parallel_size": 2}),
+                                          "parallel.expert_model_parallel_size": 2, "model.recompute": "full"}),
            "pp2_vpp2_ep2": (dict(pp=2, ep=2, vpp=2), {"parallel.pipeline_model_parallel_size": 2,
                                                       "parallel.virtual_pipeline_model_parallel_size": 2,
                                                       "parallel.expert_model_parallel_size": 2})}
@@ -41,8 +43,9 @@ class RoutedVsRecorded:
     def __init__(self, policy, record: dict[int, torch.Tensor]):
         self.layers, self.record = RankRouters(policy.chunks), record
         self.sp = (policy.pgs.tp_size, policy.pgs.tp_rank) if policy.sequence_parallel else None
-        self.compared = self.mismatched = 0
+        self.compared = self.mismatched = self.recomputed = 0
         self.current = None
+        self.queued = [deque() for _ in self.layers.flat]  # full recompute: the micro-batch of each forward
         self.hooks = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.layers.flat)]
 
     def before_forward(self, chunk, mb):
@@ -51,6 +54,11 @@ class RoutedVsRecorded:
     def _hook(self, layer: int):
         def hook(module, inputs, output):
             mb, routing_map = self.current, output[1]
+            if not torch.is_grad_enabled():  # a checkpointed forward: recomputed later in the backward pass
+                self.queued[layer].append(mb)
+            elif self.queued[layer]:
+                mb = self.queued[layer].popleft()
+                self.recomputed += 1
             if mb.is_filler:
                 return
             lo, hi = 0, routing_map.shape[0]
@@ -107,7 +115,7 @@ def replay_case(actor, raw: dict) -> dict:
         check.remove()
     return {"old_log_probs": batch.rollout_log_probs, "moe_index": layers.moe_index,
             "record": {row: t.clone() for row, t in record.items()}, "metrics": metrics,
-            "compared": check.compared, "mismatched": check.mismatched, "replayed": replayed,
+            "compared": check.compared, "mismatched": check.mismatched, "recomputed": check.recomputed, "replayed": replayed,
             "replay_metrics": replay_metrics}
 
 

@@ -12,7 +12,7 @@ import torch
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.workers.routing import RankRouters, RoutingReplay, seq_first
-from tests.workers._actor_cases import PAD, VOCAB, overrides, policy_batch, random_batch
+from tests.workers._actor_cases import PAD, VOCAB, capture_grads, overrides, policy_batch, random_batch
 
 MOE = {"model.arch": "tiny_moe", "actor.ppo_mini_batch_size": 4}
 
@@ -124,6 +124,43 @@ def test_the_update_replays_the_recorded_routing_and_reports_the_drift(pgs):
     assert m["router_replay/engaged_layers"] == 4 and 0.2 < m["router_replay/mismatch_frac"] < 1
 
 
+def test_full_recompute_replays_the_same_routing_in_the_recomputed_forward(pgs):
+    """model.recompute=full (the MoE recipe's): Megatron runs each layer again in the backward pass; the
+    recomputed routers take their micro-batch's recorded experts, so the gradient equals the one without
+    recompute (several micro-batches: their targets queue per layer)."""
+    raw = random_batch(seed=9)
+    grads, routed = [], []
+    for recompute in ("none", "full"):
+        a = make_actor(pgs, **{"actor.router_replay": "r2", "model.recompute": recompute,
+                               "actor.max_tokens_per_microbatch": 32})
+        b = policy_batch(a, raw)
+        with torch.no_grad():
+            for r in a.policy._routers():
+                r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(0)) * 5)
+        seen = []
+        hooks = [r.register_forward_hook(lambda m, i, o, seen=seen: seen.append((torch.is_grad_enabled(),
+                                                                                  o[1].clone())))
+                 for r in a.policy._routers()]
+        snaps = capture_grads(a)
+        try:
+            m = a.update_policy(b)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert m["router_replay/engaged_layers"] == 4
+        grads.append(snaps[0])
+        routed.append(seen)
+    assert len(a.policy.plan(*args(raw), [list(range(16))]).microbatches) > 1
+    plain, recomputed = routed
+    assert len(recomputed) == 2 * len(plain)  # every layer of every micro-batch, twice
+    forwards = [o for grad, o in recomputed if not grad]
+    again = [o for grad, o in recomputed if grad]
+    assert [torch.equal(x, y) for x, (_, y) in zip(forwards, plain)] == [True] * len(plain)
+    # the backward recomputes in its own order: each recomputed map is one of the forwards' maps
+    assert all(any(torch.equal(x, y) for y in forwards) for x in again)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
 def test_targets_sent_to_routers_the_forward_does_not_run_are_an_error(pgs):
     """verl #7340's failure: a second build of the decoder received the replay targets, the forward ran the
     first one's routers, nothing replayed. Here engaged_layers is 0 and the update raises."""
@@ -154,8 +191,9 @@ def test_router_replay_modes(extra, mode):
 
 
 @pytest.mark.parametrize(("extra", "text"), [
-    ({"actor.router_replay": "r2", "model.recompute": "full"}, "model.recompute=full"),
     ({"actor.router_replay": "r3"}, "needs rollout.engine=sglang"),
+    ({"actor.router_replay": "r3", "rollout.engine": "sglang", "rollout.sglang_urls": "[http://127.0.0.1:1]"},
+     "r3 is not available yet"),
     ({"actor.router_replay": "r4"}, "expected one of 'off', 'r2', 'r3'"),
 ])
 def test_unsupported_replay_settings_name_the_key(extra, text):

@@ -1,5 +1,5 @@
-"""Router replay at the MoE recipe's layout scaled down: TP 2 x EP 2 (sequence parallel), PP 2 x EP 2, and PP 2 x
-EP 2 with 2 virtual stages per rank, on 4 gloo processes, against one process on the same weights (tests/workers/_mp_replay.py runs the layouts).
+"""Router replay at the MoE recipe's layout scaled down: TP 2 x EP 2 (sequence parallel), PP 2 x EP 2 with full
+recompute, and PP 2 x EP 2 with 2 virtual stages per rank, on 4 gloo processes, against one process on the same weights (tests/workers/_mp_replay.py runs the layouts).
 
 On every rank and every MoE layer it holds: the update routed every real position of every row it trains
 exactly to the recorded experts (forward hooks on the routers, sequence shards included); the records
@@ -93,6 +93,8 @@ def test_replay_at_the_moe_layout_routes_every_rank_and_layer_as_recorded(one_pr
     # every (row, layer) is recorded somewhere, by the TP ranks of one DP rank (they train the same rows)
     assert set(seen) == {(row, layer) for row in range(16) for layer in range(4)}
     assert set(seen.values()) == {2 if layout == "tp2_ep2" else 1}
-    # the hooks looked at every real position of every layer: TP shards split the positions, PP stages layers
-    assert sum(rk["compared"] for rk in ranks) == real * 4
+    # the hooks looked at every real position of every layer: TP shards split the positions, PP stages layers;
+    # with full recompute (pp2_ep2) twice, the recomputed forwards included
+    assert sum(rk["compared"] for rk in ranks) == real * 4 * (2 if layout == "pp2_ep2" else 1)
+    assert all((rk["recomputed"] > 0) == (layout == "pp2_ep2") for rk in ranks)
     assert 0.2 < ref["metrics"]["router_replay/mismatch_frac"] < 1
