@@ -134,6 +134,12 @@ class Sample:
     """Version of the weights that produced the sample (bumped by each update_weights)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Engine meta: the SPEC_META_KEYS counts when speculative decoding ran."""
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """MoE routing the engine chose (R3, rollout routing replay; SGLangEngine with return_routed_experts):
+    [L, P + R - 1, K] expert ids, uint8 (int16 above 256 experts), layer first. Rows are the prompt tokens
+    and every response token but the last (sampled, never fed forward: a trainer replaying the routing
+    over P + R positions picks any experts for the last one, whose output no log-prob uses). None when
+    not asked for, or for an "abort" sample the server returned no routing for."""
 
     def __post_init__(self):
         where = f"Sample(prompt_id={self.prompt_id!r}, sample_index={self.sample_index!r})"
@@ -158,6 +164,17 @@ class Sample:
             )
         if not isinstance(self.meta, dict):
             raise ValueError(f"{where}.meta must be a dict, got {type(self.meta).__name__}")
+        if self.routed_experts is not None:
+            _check_routing(self.routed_experts, len(self.prompt_token_ids) + len(response) - 1, where)
+
+
+def _check_routing(r: Any, rows: int, where: str) -> None:
+    if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.dtype not in (torch.uint8, torch.int16):
+        got = f"{r.dtype} {list(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
+        raise ValueError(f"{where}.routed_experts must be a uint8 / int16 tensor [L, P + R - 1, K], got {got}")
+    if r.shape[1] != max(rows, 0):
+        raise ValueError(f"{where}.routed_experts has {r.shape[1]} token rows, expected prompt + response - 1 = "
+                         f"{max(rows, 0)}")
 
 
 def derive_sample_seed(seed: int, prompt_id: str, sample_index: int) -> int:

@@ -8,6 +8,8 @@ are verify * (speculative_num_draft_tokens - 1) (verify * speculative_num_steps 
 0.5.8 the counters appear only when verify > 0, under the names the release's tokenizer manager
 sets (protocol JSON `meta_info_keys`).
 
+Routed experts (`return_routed_experts`, --enable-return-routed-experts): routing.py.
+
 Emulated speed (--forward-delay-s F, --draft-delay-s D, both 0 by default): the prefill takes F; then
 without speculation every token takes F, with it every verify step takes F + speculative_num_steps * D
 and yields two tokens (the schedule of the counters above). So speculation is faster per token exactly
@@ -23,6 +25,7 @@ import time
 import uuid
 from typing import Any
 
+from tests.standin import routing
 from tests.standin.protocol import value_error
 from tests.standin.state import Reply, State, check_can_generate
 from tests.standin.toy import ItemSampling
@@ -68,6 +71,7 @@ def generate(st: State, body: dict, query) -> Any:
     params = _as_list(body.get("sampling_params") or {}, n, "sampling_params")
     rids = _rids(body.get("rid"), n, single)
     want_lp = _as_list(body.get("return_logprob") or False, n, "return_logprob")
+    want_routes = bool(body.get("return_routed_experts"))
     for p in params:
         st.proto.check_sampling_params(p)
         if (p.get("n") or 1) != 1:
@@ -106,7 +110,7 @@ def generate(st: State, body: dict, query) -> Any:
     try:
         with st.rw.read():
             _sleep(st, st.knobs["delay_s"], list(events.values()))
-            results = [_one(st, item, s, rid, events[rid], lp)
+            results = [_one(st, item, s, rid, events[rid], lp, want_routes)
                        for item, s, rid, lp in zip(batch, samplings, rids, want_lp, strict=True)]
     finally:
         with st.lock:
@@ -128,14 +132,16 @@ def _sleep(st: State, seconds: float, events) -> bool:
     return all(e.is_set() for e in events) or st.stopping.is_set()
 
 
-def _one(st: State, input_ids, s: ItemSampling, rid: str, aborted: threading.Event, want_lp: bool) -> dict:
+def _one(st: State, input_ids, s: ItemSampling, rid: str, aborted: threading.Event, want_lp: bool,
+         want_routes: bool = False) -> dict:
     start = time.monotonic()
     stops = set(s.stop_token_ids)
     if not s.ignore_eos and st.model.eos_token_id is not None:
         stops.add(st.model.eos_token_id)
     tokens, logps = [], []
     finish: dict = {"type": "length", "length": s.max_new_tokens}
-    decoder = st.model.decoder(input_ids, s)
+    steps = [] if want_routes and getattr(st.args, routing.FLAG_DEST, False) else None
+    decoder = st.model.decoder(input_ids, s) if steps is None else st.model.decoder(input_ids, s, routes=steps)
     while len(tokens) < s.max_new_tokens:
         if aborted.is_set() or st.stopping.is_set():
             finish = dict(ABORT)
@@ -167,6 +173,7 @@ def _one(st: State, input_ids, s: ItemSampling, rid: str, aborted: threading.Eve
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logps, tokens, strict=True)]
     if st.args.speculative_algorithm:
         meta.update(_spec_counters(st, len(tokens)))
+    routing.add_to_meta(meta, st, asked=want_routes, steps=steps)
     output_ids = list(tokens)
     m = st.knobs["malform"]
     if m == "logprobs_short" and want_lp:

@@ -13,6 +13,7 @@ Shape legend: logits_V [vocab], input_ids list[int].
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -108,6 +109,30 @@ class HFModel:
         self.skips_mtp = cfg.model_type == "qwen3_moe"  # Qwen3MoeForCausalLM.load_weights: `elif "mtp" in name`
         self.lock = threading.Lock()  # one forward or one weight load at a time
         self.targets = self._targets()
+        self.routers = self._hook_routers()
+        """{layer index: router} of the MoE layers (empty for a dense model)."""
+        self._captured: dict[int, torch.Tensor] | None = None
+
+    def _hook_routers(self) -> dict[int, torch.nn.Module]:
+        """Forward hooks that keep each MoE router's top-k ids (its third output, [tokens, K]) while a
+        decoder asks for routes; a layer without a router is left out, as SGLang leaves its row zero."""
+        routers = {}
+        for i, layer in enumerate(self.model.model.layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and hasattr(gate, "top_k"):
+                routers[i] = gate
+                gate.register_forward_hook(functools.partial(self._keep_route, i))
+        return routers
+
+    def _keep_route(self, layer: int, _module, _inputs, output) -> None:
+        if self._captured is not None:
+            self._captured[layer] = output[2].detach().to(torch.int32)
+
+    @property
+    def moe_layout(self) -> tuple[int, int] | None:
+        """(num_hidden_layers, num_experts_per_tok) of an MoE model (the rows SGLang sends per token); None if dense."""
+        k = getattr(self.model.config, "num_experts_per_tok", None)
+        return (self.model.config.num_hidden_layers, k) if self.routers and k else None
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, object]]:
         skip = {"lm_head.weight"} if self.tied else set()  # SGLang skips lm_head of a tied model
@@ -137,13 +162,25 @@ class HFModel:
         with self.lock:
             return self.model(torch.tensor([list(input_ids)])).logits[0].float()
 
-    def decoder(self, input_ids: Sequence[int], s: ItemSampling):
-        """Yield (token, log-prob) step by step with the KV cache; the caller stops it."""
+    def decoder(self, input_ids: Sequence[int], s: ItemSampling, routes: list | None = None):
+        """Yield (token, log-prob) step by step with the KV cache; the caller stops it. `routes` (an MoE
+        model) receives the routing of every forward, [tokens fed, L, K] int32: the prompt, then each
+        token once it is fed (the last one sampled never is)."""
         gen = torch.Generator().manual_seed(s.seed & 0xFFFFFFFFFFFF)
         cache, feed = None, list(input_ids)
         for _ in range(s.max_new_tokens):
             with self.lock, torch.no_grad():
-                out = self.model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
+                self._captured = {} if routes is not None else None
+                try:
+                    out = self.model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
+                    if routes is not None:
+                        layers, k = self.moe_layout
+                        step = torch.zeros(len(feed), layers, k, dtype=torch.int32)
+                        for i, ids in self._captured.items():
+                            step[:, i] = ids
+                        routes.append(step)
+                finally:
+                    self._captured = None
             cache = out.past_key_values
             tok, lp = sample_token(out.logits[0, -1], s, gen)
             feed = [tok]

@@ -39,6 +39,9 @@ What it does as SGLang does (the release's source is the reference; see protocol
   --speculative-draft-model-path, which SGLang requires for this architecture); a toy server's draft
   runner keeps whatever it is sent; --forward-delay-s / --draft-delay-s emulate decoding speed with
   and without speculation (generate.py);
+- `return_routed_experts` with --enable-return-routed-experts on an HF Qwen3-MoE model: the routing of
+  its own forwards in the release's encoding; the switch on a model without MoE routers exits at load
+  (routing.py);
 - a payload the server's unpickler cannot open kills the server ("Scheduler hit an exception" in
   its log, the HTTP connection drops), as SGLang's scheduler does.
 
@@ -81,6 +84,7 @@ from tests.standin import generate as _gen
 from tests.standin import weight_routes as _wr
 from tests.standin.cli import parse_args, server_args_dict
 from tests.standin.protocol import RequestError
+from tests.standin.routing import check_launch
 from tests.standin.state import KNOBS, MALFORMS, MEMORY_TAGS, Reply, State
 
 log = logging.getLogger("standin")
@@ -361,6 +365,7 @@ def _load(st: State) -> None:
             st.model = HFModel(a.model_path, dtype=a.dtype, context_length=a.context_length)
             if a.speculative_algorithm:
                 st.draft = _load_drafter(st)
+        check_launch(a, st.model)
         st.role_weights = {role: [{} for _ in range(a.tp_size)] for role in st.roles}
     except Exception as e:  # noqa: BLE001 - a failed start is a dead server, as for SGLang
         st.crash("load", e)

@@ -22,7 +22,9 @@ Protocol (the request and reply layout: sglang.payloads):
   and their partial output. {"rid": rid} aborts every request whose rid starts with `rid` (the
   scheduler matches prefixes), so rids are prefix-free (`request_ids`).
 - Streaming (`generate_streaming`): one request per group, each group reported as its request returns;
-  after the stop the requests still running are aborted by rid. POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
+  after the stop the requests still running are aborted by rid.
+- Routed experts (opt-in, `return_routed_experts`: R3): every request carries `return_routed_experts: true`
+  and each Sample the decoded `meta_info.routed_experts` (sglang/routing.py). POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
   Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).
@@ -79,6 +81,7 @@ from megatron_dapo.rollout.sglang.payloads import (  # noqa: F401  (re-exported:
     post_control,
     spec_fields,
 )
+from megatron_dapo.rollout.sglang.routing import RoutingLayout
 from megatron_dapo.rollout.sglang.versions import SELECTORS, UnsupportedSGLangVersion, server_facts
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ class SGLangEngine(RolloutEngine):
         health_check_interval_s: float = 5.0,
         server_down_timeout_s: float = 600.0,
         restart: Callable[[str], None] | None = None,
+        return_routed_experts: RoutingLayout | None = None,
     ):
         """require_deterministic: refuse servers that ignore sampling seeds (launched without
         --enable-deterministic-inference). require_memory_saver: refuse servers launched without
@@ -130,7 +134,13 @@ class SGLangEngine(RolloutEngine):
         when another engine (one coordinator for several senders) opens it around the whole sync.
         health_check_interval_s / server_down_timeout_s / restart: the ServerPool's poll interval, how long
         generation waits with no server up before AllServersDown, and how a server the trainer launched is
-        restarted (sglang/health.py; None: servers given by URL are only polled)."""
+        restarted (sglang/health.py; None: servers given by URL are only polled). return_routed_experts:
+        the model's router layout to ask every request for its MoE routing (R3, actor.router_replay) and
+        keep it as Sample.routed_experts [L, P + R - 1, K] (sglang/routing.py); the servers must run a release
+        with it, launched with --enable-return-routed-experts, or the engine refuses at connect. None: off."""
+        if return_routed_experts is not None and not isinstance(return_routed_experts, RoutingLayout):
+            raise ValueError(f"SGLangEngine return_routed_experts must be a RoutingLayout or None, "
+                             f"got {return_routed_experts!r}")
         if isinstance(urls, str) or not urls:
             raise ValueError(f"urls must be a non-empty list of server URLs, got {urls!r}")
         for name, v, lo in (
@@ -181,6 +191,7 @@ class SGLangEngine(RolloutEngine):
         self._weight_group_name: str | None = None
         self._weight_session: str | None = None  # the open session's selector
         self._open_weight_sessions = bool(open_weight_sessions)
+        self.routing = return_routed_experts
         self._closed = False
         self.pool: ServerPool | None = None
         try:
@@ -196,7 +207,8 @@ class SGLangEngine(RolloutEngine):
     def _connect(self, *, require_deterministic: bool, require_memory_saver: bool) -> None:
         """Read every server's release and launch settings (versions.server_facts)."""
         facts = server_facts([(url, self._server_info(url)) for url in self.urls],
-                             require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
+                             require_deterministic=require_deterministic, require_memory_saver=require_memory_saver,
+                             require_routed_experts=self.routing is not None)
         self.sglang_version, self.features = facts.version, facts.features
         self.seeds_honoured, self._context_length = facts.seeds_honoured, facts.context_length
         self.capacity = dict(zip(self.urls, facts.capacities, strict=True))
@@ -379,7 +391,8 @@ class SGLangEngine(RolloutEngine):
         rids = request_ids(batch_id, 0, len(batch))
         reply, url = None, None
         if not (aborted.is_set() or failed.is_set()):
-            payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured)
+            payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured,
+                                             routed_experts=self.routing is not None)
             reply, url, rids = self._post_generate(payload, batch_id, aborted, failed, running)
         if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
             return [self._sample(p, j, ParsedOutput((), (), "abort", {}), version) for p, j in batch]
@@ -398,6 +411,8 @@ class SGLangEngine(RolloutEngine):
                     request=f"{url}/generate rid={rid} (prompt_id={p.prompt_id!r}, sample_index={j})",
                     max_new_tokens=limit,
                     spec=self._spec,
+                    routing=self.routing,
+                    prompt_len=len(p.token_ids),
                 ),
                 version,
             )
@@ -415,6 +430,7 @@ class SGLangEngine(RolloutEngine):
             finish_reason=parsed.finish_reason,
             policy_version=version if parsed.weight_version is None else parsed.weight_version,
             meta=dict(parsed.meta),
+            routed_experts=parsed.routed_experts,
         )
 
     def _post_generate(

@@ -5,7 +5,8 @@ protocols in tests/assets/sglang): a batch with `input_ids` (one token list per 
 `sampling_params` (one dict per item: max_new_tokens, temperature, top_p, top_k, stop_token_ids,
 min_new_tokens when > 0 (every supported release masks EOS and the stop tokens before it), and
 sampling_seed when the servers honour seeds), `rid` (one id per item), `return_logprob: true`,
-`logprob_start_len: -1` (output tokens only), `stream: false`.
+`logprob_start_len: -1` (output tokens only), `stream: false`, and `return_routed_experts: true` when the
+engine replays routing (sglang.routing).
 
 Reply: a list, one result per item in order: `{"text", "output_ids", "meta_info": {"id",
 "finish_reason": {"type": "stop"|"length"|"abort", ...}, "prompt_tokens", "completion_tokens",
@@ -13,7 +14,9 @@ Reply: a list, one result per item in order: `{"text", "output_ids", "meta_info"
 tokens are read from `output_token_logprobs` and cross-checked with `output_ids` and
 `completion_tokens` when present; a mismatch raises EngineReplyError naming the request and field.
 The counters' names depend on the release (sglang.versions); they become
-Sample.meta["spec_draft_tokens" | "spec_accepted_tokens" | "spec_verify_ct"].
+Sample.meta["spec_draft_tokens" | "spec_accepted_tokens" | "spec_verify_ct"]. Asked for, `meta_info.routed_experts`
+(sglang.routing) must be present unless the request was aborted; its absence means a server launched
+without --enable-return-routed-experts (SGLang then captures nothing and says nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     derive_sample_seed,
 )
-from megatron_dapo.rollout.sglang.versions import SPEC_VERIFY_KEY, ReleaseFeatures
+from megatron_dapo.rollout.sglang.routing import (
+    META_KEY,
+    REQUEST_FIELD,
+    RoutingLayout,
+    decode_routed_experts,
+    routed_tokens,
+)
+from megatron_dapo.rollout.sglang.versions import ROUTED_EXPERTS_FLAG, SPEC_VERIFY_KEY, ReleaseFeatures
 
 
 class EngineReplyError(RolloutEngineError):
@@ -57,13 +67,17 @@ class ParsedOutput:
     weight_version: int | None = None
     """meta_info.weight_version as the server reports it, when it is a version this trainer set (an int);
     None for the server's initial "default" or releases without the field."""
+    routed_experts: Any = None
+    """[L, P + R - 1, K] expert ids (sglang.routing) when asked for; None otherwise or for an abort without them."""
 
 
 def build_generate_payload(
-    items: Sequence[tuple[PromptInput, int]], sampling: SamplingParams, rids: Sequence[str], *, seeds: bool = True
+    items: Sequence[tuple[PromptInput, int]], sampling: SamplingParams, rids: Sequence[str], *, seeds: bool = True,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
     """JSON body of one batched POST /generate; `items` are (prompt, sample_index) pairs. With
-    `seeds` false no sampling_seed is sent (a server without deterministic inference ignores it)."""
+    `seeds` false no sampling_seed is sent (a server without deterministic inference ignores it);
+    `routed_experts` asks for the MoE routing of every item."""
     params = []
     for prompt, j in items:
         p: dict[str, Any] = {
@@ -79,7 +93,7 @@ def build_generate_payload(
         if seeds and sampling.seed is not None:
             p["sampling_seed"] = derive_sample_seed(sampling.seed, prompt.prompt_id, j)
         params.append(p)
-    return {
+    body = {
         "input_ids": [list(prompt.token_ids) for prompt, _ in items],
         "sampling_params": params,
         "rid": list(rids),
@@ -87,6 +101,9 @@ def build_generate_payload(
         "logprob_start_len": -1,
         "stream": False,
     }
+    if routed_experts:
+        body[REQUEST_FIELD] = True
+    return body
 
 
 def spec_fields(features: ReleaseFeatures) -> tuple[tuple[str, str], ...]:
@@ -112,9 +129,11 @@ def parse_spec_meta(meta_info: dict[str, Any], *, request: str, fields: Sequence
 
 
 def parse_generate_output(
-    item: Any, *, request: str, max_new_tokens: int, spec: Sequence[tuple[str, str]] = ()
+    item: Any, *, request: str, max_new_tokens: int, spec: Sequence[tuple[str, str]] = (),
+    routing: RoutingLayout | None = None, prompt_len: int = 0,
 ) -> ParsedOutput:
-    """Validate one /generate result and pull out tokens, log-probs, finish reason and spec meta."""
+    """Validate one /generate result and pull out tokens, log-probs, finish reason and spec meta; with
+    `routing` (the model's layout) also the routed experts of the prompt (`prompt_len` tokens) and response."""
     if not isinstance(item, dict):
         raise EngineReplyError(f"{request}: result must be a JSON object, got {type(item).__name__}")
     meta = item.get("meta_info")
@@ -169,8 +188,25 @@ def parse_generate_output(
         )
     wv = meta.get("weight_version")
     version = int(wv) if isinstance(wv, str) and wv.isdigit() else None
+    routed = None if routing is None else parse_routing(meta, request=request, layout=routing, finish=finish,
+                                                        num_tokens=routed_tokens(prompt_len, len(tokens)))
     return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec),
-                        weight_version=version)
+                        weight_version=version, routed_experts=routed)
+
+
+def parse_routing(meta_info: dict[str, Any], *, request: str, layout: RoutingLayout, finish: str, num_tokens: int):
+    """The routed experts of one result ([L, num_tokens, K], sglang.routing); None for an abort without them."""
+    value = meta_info.get(META_KEY)
+    if value is None:
+        if finish == "abort":
+            return None  # aborted before the scheduler ran it: SGLang collects routing only at the finish
+        raise EngineReplyError(f"{request}: meta_info.{META_KEY} is missing although the request asked for it: "
+                               f"the server runs without {ROUTED_EXPERTS_FLAG} (SGLang then captures nothing)")
+    try:
+        return decode_routed_experts(value, num_layers=layout.num_layers, top_k=layout.top_k,
+                                     num_experts=layout.num_experts, num_tokens=num_tokens, where=request)
+    except ValueError as e:
+        raise EngineReplyError(str(e)) from e
 
 
 def post_control(url: str, path: str, payload: Any, *, timeout_s: float, connect_timeout_s: float = 10.0) -> str | None:

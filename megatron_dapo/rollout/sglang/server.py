@@ -9,8 +9,9 @@ architectures)), every one present in each supported release (sglang.versions;
 tests launch the stand-in of each release with these commands, whose parser is that release's).
 Servers bind to loopback unless a cluster-internal address is given. `--enable-memory-saver` is
 required for /release_memory_occupation (colocation) and `--enable-deterministic-inference` for
-SGLang to honour per-request `sampling_seed`. `--context-length` is what the server reports in
-/server_info; the client refuses prompts that cannot fit it before sending them (without it SGLang
+SGLang to honour per-request `sampling_seed`; `--enable-return-routed-experts` for it to capture the MoE
+routing a request asks for (R3: sglang/routing.py, every supported release). `--context-length` is what
+the server reports in /server_info; the client refuses prompts that cannot fit it before sending them (without it SGLang
 reports None and only refuses an input of the model's whole context, cutting max_new_tokens).
 
 Nothing here imports sglang: the server runs in its own process.
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
+
+from megatron_dapo.rollout.sglang.versions import ROUTED_EXPERTS_FLAG
 
 SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
 
@@ -49,6 +52,8 @@ class SGLangServerSpec:
     """First GPU of this server (servers on one node use disjoint GPU ranges)."""
     enable_memory_saver: bool = False
     """Needed by /release_memory_occupation and /resume_memory_occupation (colocation)."""
+    return_routed_experts: bool = False
+    """--enable-return-routed-experts: capture each request's MoE routing (actor.router_replay; MoE models)."""
     deterministic_inference: bool = False
     """SGLang honours sampling_seed only with --enable-deterministic-inference (batch-invariant kernels,
     the pytorch sampling backend, a deterministic attention backend: slower decoding)."""
@@ -155,6 +160,8 @@ def build_launch_command(
         cmd.append("--enable-memory-saver")
     if spec.deterministic_inference:
         cmd.append("--enable-deterministic-inference")
+    if spec.return_routed_experts:
+        cmd.append(ROUTED_EXPERTS_FLAG)
     if spec.speculative_algorithm is not None:
         cmd += [
             "--speculative-algorithm",

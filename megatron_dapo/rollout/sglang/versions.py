@@ -14,6 +14,33 @@ What the wheels show (release = first one with the change):
   a warning per call); speculative counters spec_draft_token_num (proposed) and
   spec_accept_token_num (accepted), present only after a verify step. Lower bound: before 0.5.8
   the counters of accepted and proposed drafts do not exist.
+- 0.5.8 (first in 0.5.7; 0.5.6 has none): routed experts ("R3", rollout routing replay). Read from the
+  0.5.8 to 0.5.14 and 0.5.23 wheels (paths under sglang/srt), not run: a CPU 0.5.23 server launched
+  with the switch dies at start-up (its pinned host buffer calls cudaHostRegister, mem_cache/pool_host/
+  common.py:147, "Torch not compiled with CUDA enabled").
+  Request: `return_routed_experts: true` (GenerateReqInput, 0.5.8 managers/io_struct.py:204,
+  0.5.23 :264); the server needs the launch switch --enable-return-routed-experts (ROUTED_EXPERTS_FLAG;
+  0.5.8 server_args.py:4407, 0.5.23 arg_groups/fields/exec_.py:158), reported as
+  `enable_return_routed_experts` in /server_info. Reply: `meta_info["routed_experts"]`, a base64 str of
+  the raw bytes of a C-order int32 tensor [tokens, num_hidden_layers, num_experts_per_tok] (token-major,
+  layers second; 0.5.8 layers/moe/routed_experts_capturer.py:78-86 (host buffer), :211-219, and
+  detokenizer_manager.py:329-342; 0.5.23 state_capturer/base.py:64-72, :173-187, detokenizer_manager.py:
+  432-448; SGLang's own reader, extract_routed_experts_from_meta_info, is np.frombuffer(..., int32)).
+  Rows: the positions [0, prompt + completion - 1) of the finished request: every prompt token and every
+  response token but the last, which is sampled and never fed forward (0.5.8 scheduler_output_processor_
+  mixin.py:66-71 with Req.seqlen = prompt + output ids, schedule_batch.py:782; 0.5.23 scheduler_components/
+  batch_result_processor.py:136-178). Prompt rows are included (prefix-cache hits keep the routing of the
+  request that computed them: the buffer is indexed by KV slot). A layer without a router (dense layers of
+  a mixed model) keeps zeros; the ids are logical experts in 0.5.23 (layers/moe/topk.py:2574 captures
+  before the logical-to-physical map) and the physical ones in 0.5.8 (topk.py:1045, after it): equal
+  without --ep-num-redundant-experts. `routed_experts_start_len` (start row) is accepted from 0.5.8 but
+  honoured only from 0.5.12 (state_capturer/base.py: `[start_len : seqlen - 1]`); the client never sends it.
+  Routing is collected when the request finishes, so with stream=true only the last chunk carries it; a
+  request aborted while it runs finishes through the same step and carries the routing of what it
+  computed, one aborted before it was scheduled carries none. Without the launch switch nothing is
+  captured and nothing refused: 0.5.8 and 0.5.9 reply `"routed_experts": null` (tokenizer_manager.py:1537),
+  0.5.10+ omit the key (0.5.23 tokenizer_manager.py:2602-2609). Each release's protocol JSON holds the
+  field, the key and the switch (`request_classes`, `meta_info_keys`, `launch_flags`).
 - 0.5.11: the counters are renamed spec_proposed_drafts / spec_accepted_drafts.
 - 0.5.12: renamed again, spec_num_proposed_drafts / spec_num_correct_drafts (the 0.5.11 names stay
   as aliases through 0.5.20, gone in 0.5.21).
@@ -80,11 +107,15 @@ class ReleaseFeatures:
     """HF model types whose MTP layer SGLang loads as the NEXTN / EAGLE drafter."""
     drafter_via_distributed: bool = False
     """/update_weights_from_distributed reaches the drafter (tensor updates always do)."""
+    routed_experts: bool = False
+    """/generate returns the MoE routing with `return_routed_experts` (servers launched with
+    ROUTED_EXPERTS_FLAG): sglang/routing.py."""
 
 
 CHANGES: tuple[tuple[str, dict], ...] = (
     ("0.5.8", {"model_info_path": "/model_info", "server_info_path": "/server_info",
-               "spec_proposed_key": "spec_draft_token_num", "spec_accepted_key": "spec_accept_token_num"}),
+               "spec_proposed_key": "spec_draft_token_num", "spec_accepted_key": "spec_accept_token_num",
+               "routed_experts": True}),
     ("0.5.11", {"spec_proposed_key": "spec_proposed_drafts", "spec_accepted_key": "spec_accepted_drafts"}),
     ("0.5.12", {"spec_proposed_key": "spec_num_proposed_drafts", "spec_accepted_key": "spec_num_correct_drafts"}),
     ("0.5.13", {"mtp_drafters": ("qwen3_moe",)}),
@@ -93,6 +124,8 @@ CHANGES: tuple[tuple[str, dict], ...] = (
 """(release, the fields that change there): features_for folds every entry up to the version."""
 
 SPEC_VERIFY_KEY = "spec_verify_ct"
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""The launch switch without which a server captures no routing (the same in every release that has it)."""
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -167,10 +200,12 @@ class ServerFacts:
 
 
 def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool = False,
-                 require_memory_saver: bool = False) -> ServerFacts:
+                 require_memory_saver: bool = False, require_routed_experts: bool = False) -> ServerFacts:
     """Check the (url, /server_info) of every server: one supported release, deterministic inference
-    when `require_deterministic` (rollout.deterministic_inference) asks for it, and the memory saver
-    when `require_memory_saver` does (colocated servers: rollout.require_memory_saver)."""
+    when `require_deterministic` (rollout.deterministic_inference) asks for it, the memory saver
+    when `require_memory_saver` does (colocated servers: rollout.require_memory_saver), and routed
+    experts (a release with them, servers launched with ROUTED_EXPERTS_FLAG) when `require_routed_experts`
+    does (actor.router_replay)."""
     for url, info in infos:
         version = info.get("version")
         if not isinstance(version, str):
@@ -193,5 +228,23 @@ def server_facts(infos: list[tuple[str, dict]], *, require_deterministic: bool =
             f"rollout.mode=colocate but {no_saver} run without --enable-memory-saver: their weights and KV cache "
             "would stay in the accelerator memory the actor trains in; relaunch them with the flag, or set "
             "rollout.require_memory_saver=false when they do not share the trainer's accelerator memory")
+    if require_routed_experts:
+        check_routed_experts(infos, features_for(version))
     return ServerFacts(version=version, features=features_for(version), context_length=min(limits) if limits else None,
                        seeds_honoured=not off, capacities=tuple(running_capacity(i) for _, i in infos))
+
+
+def check_routed_experts(infos: list[tuple[str, dict]], features: ReleaseFeatures) -> None:
+    """RolloutEngineError unless the release returns routed experts and every server captures them."""
+    if not features.routed_experts:
+        version = ".".join(map(str, features.version))
+        raise RolloutEngineError(
+            f"actor.router_replay needs the MoE routing of each rollout, but the servers run SGLang {version}, "
+            "which cannot return it (return_routed_experts: SGLang 0.5.8+, module docstring); use a newer "
+            "release or turn actor.router_replay off")
+    off = [u for u, i in infos if i.get("enable_return_routed_experts") is not True]
+    if off:
+        raise RolloutEngineError(
+            f"actor.router_replay needs the MoE routing of each rollout, but {off} run without "
+            f"{ROUTED_EXPERTS_FLAG}: SGLang would capture none and reply without it; relaunch them with the flag "
+            "(SGLangServerSpec.return_routed_experts) or turn actor.router_replay off")

@@ -1,0 +1,102 @@
+"""Routed experts ("R3", rollout routing replay): the MoE routing an SGLang server chose for each token
+of a request, read from its reply so that the trainer can replay it layer by layer.
+
+What SGLang sends (every supported release; the evidence is in versions.py, release 0.5.8): with
+`return_routed_experts: true` in the request and the server launched with
+--enable-return-routed-experts, `meta_info["routed_experts"]` is base64 of the raw little-endian bytes of
+an int32 tensor [S, L, K], token-major. The S rows are the positions 0 .. P + R - 2 of the request:
+
+- every prompt token (P rows, prefix-cache hits included),
+- every response token but the last (R - 1 rows): the last token is sampled, never fed forward, so it
+  has no routing. A response of R tokens thus covers prompt + response[:-1].
+
+`decode_routed_experts` turns that into the layer-first tensor the trainer replays, [L, S, K]: uint8
+expert ids (int16 above 256 experts), checked against the model (size, ids < num_experts).
+
+Shape legend: L num_hidden_layers, S routed tokens = P + R - 1, K num_experts_per_tok (top-k).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+REQUEST_FIELD = "return_routed_experts"
+"""The /generate request field that asks for the routing."""
+META_KEY = "routed_experts"
+"""The meta_info key of the reply that carries it."""
+
+
+def routed_tokens(prompt_len: int, response_len: int) -> int:
+    """S, the rows SGLang returns for a prompt of `prompt_len` and a response of `response_len` tokens."""
+    return max(prompt_len + response_len - 1, 0)
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """uint8 up to 256 experts, int16 above (ids 0 .. num_experts - 1)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """The model's router layout that a routing reply must match (HF config names in comments)."""
+
+    num_layers: int
+    """num_hidden_layers: SGLang sends a row per layer, zeros for a layer without a router."""
+    top_k: int
+    """num_experts_per_tok."""
+    num_experts: int
+    """num_experts (routed experts only, no shared ones)."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "top_k", "num_experts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"RoutingLayout.{name} must be an int >= 1, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"RoutingLayout.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
+            )
+        if self.num_experts > 1 << 15:
+            raise ValueError(f"RoutingLayout.num_experts ({self.num_experts}) must be <= 32768 (int16 ids)")
+
+
+def decode_routed_experts(
+    value, *, num_layers: int, top_k: int, num_experts: int, num_tokens: int, where: str
+) -> torch.Tensor:
+    """[num_layers, num_tokens, top_k] expert ids (uint8, int16 above 256 experts) from SGLang's
+    `meta_info.routed_experts` (a base64 str of int32 [num_tokens, num_layers, top_k]).
+
+    num_tokens: the rows expected, prompt + response - 1 (`routed_tokens`). where: the request, named in
+    every error. A ValueError names `where` and the field when the value is not base64, its size is not
+    num_tokens x num_layers x top_k int32, or an id is outside 0 .. num_experts - 1."""
+    field = f"{where}: meta_info.{META_KEY}"
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be a base64 str, got {type(value).__name__}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{field} is not base64 ({e})") from e
+    per_token = num_layers * top_k
+    if len(raw) % 4:
+        raise ValueError(f"{field} holds {len(raw)} bytes, not a whole number of int32 ids")
+    ids = np.frombuffer(raw, dtype="<i4")
+    if ids.size != num_tokens * per_token:
+        got = f"{ids.size // per_token} tokens" if ids.size % per_token == 0 else f"{ids.size} ids"
+        raise ValueError(
+            f"{field} holds {got}, expected {num_tokens} tokens x {num_layers} layers x top-{top_k} "
+            f"= {num_tokens * per_token} int32 ids (prompt + response - 1 tokens); a model with other "
+            "num_hidden_layers / num_experts_per_tok than the trainer's?"
+        )
+    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        bad = int(ids[(ids < 0) | (ids >= num_experts)][0])
+        raise ValueError(
+            f"{field} holds expert id {bad}, outside 0 .. {num_experts - 1} (num_experts={num_experts})"
+        )
+    # [S, L, K] -> [L, S, K]: the trainer replays one layer at a time.
+    out = torch.from_numpy(ids.reshape(num_tokens, num_layers, top_k).transpose(1, 0, 2).copy())
+    return out.to(routing_dtype(num_experts))
