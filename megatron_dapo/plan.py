@@ -213,6 +213,10 @@ class MemoryPlan:
     micro_batch_tokens: int
     recompute: str
     in_flight: float
+    router_replay_host: int = 0
+    """Host memory per rank of the routing records (actor.router_replay): this DP rank's rows at the longest
+    sequence x its stage's MoE layers x top-k, 1 B per id (2 above 256 experts); 0 when off."""
+    router_replay_layers: int = 0
 
     @property
     def resident_train_state(self) -> int:
@@ -234,7 +238,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
                 rollout_mode: str = "colocate", rollout_tp: int = 1, gpu_memory_utilization: float = 0.85,
                 speculative: bool = False, max_seq_len: int, rollout_sequences: int = 1,
                 gpu_memory: int = 80 * GIB, overhead: int = 4 * GIB, bias_activation_fusion: bool = True,
-                gradient_accumulation_fusion: bool = True, offload_optimizer: bool = False) -> MemoryPlan:
+                gradient_accumulation_fusion: bool = True, offload_optimizer: bool = False,
+                router_replay: str = "off") -> MemoryPlan:
     """The memory plan (module docstring for every formula). Sizes in bytes.
 
     sequence_parallel None means on whenever TP > 1, as models/builder.py resolves it. The two fusion
@@ -295,6 +300,8 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         return m
 
     ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
+    # routing records (router replay): the pipeline stage with the most MoE layers
+    replay_layers = max(sum(bool(pattern[i]) for i in m["rank"].layers) for m in ranks)
     busiest = max(ranks, key=lambda m: m["peak"])
     colocated = rollout_engine == "sglang" and rollout_mode == "colocate"
     master = 4 / opt_bytes if params_dtype == "bf16" else 0.0      # the fp32 master copy's share of the optimizer
@@ -334,7 +341,10 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         rollout_kv_cache_at_launch=kv_at_launch, rollout_kv_tokens_at_launch=max(kv_at_launch, 0) // per_token,
         trainer_at_rollout=at_rollout, trainer_at_launch=at_launch, offload_optimizer=offload_optimizer,
         rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
-        micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"])
+        micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"],
+        router_replay_host=replay_layers * math.ceil(logprob_rows / dp) * max_seq_len * (arch.moe_router_topk or 0)
+        * (1 if (arch.num_moe_experts or 0) <= 256 else 2) if router_replay != "off" else 0,
+        router_replay_layers=replay_layers if router_replay != "off" else 0)
 
 
 def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,
@@ -375,7 +385,7 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
         gpu_memory=int(gpu_memory_gib * GIB), overhead=int(overhead_gib * GIB),
         bias_activation_fusion=fusions["bias_activation_fusion"],
         gradient_accumulation_fusion=fusions["gradient_accumulation_fusion"],
-        offload_optimizer=cfg.actor.offload_optimizer)
+        offload_optimizer=cfg.actor.offload_optimizer, router_replay=cfg.actor.router_replay)
 
 
 # --- verdict and table -------------------------------------------------------------------------
@@ -461,6 +471,10 @@ def format_plan(plan: MemoryPlan) -> str:
     peak_note = ("colocate: max(training, rollout)" if plan.rollout_mode == "colocate"
                  else "disaggregate: training and rollout GPUs separately")
     rows += [("= peak per GPU", plan.peak, f"{peak_note}; GPU {_g(plan.gpu_memory)}")]
+    if plan.router_replay_host:
+        rows += [("host: routing", plan.router_replay_host,
+                  f"router replay records per rank (host memory): rows / DP {plan.dp} x {plan.max_seq_len:,} "
+                  f"tokens at most x {plan.router_replay_layers} MoE layers x top-k")]
     head = (f"memory plan: {plan.arch_name}, {plan.params_total / 1e9:.2f} B params; {plan.world_size} GPUs "
             f"= TP {plan.tp} x PP {plan.pp} x CP {plan.cp} x DP {plan.dp} (EP {plan.ep}, ETP {plan.etp}, "
             f"expert DP {plan.expert_dp})")

@@ -218,7 +218,7 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
                "rollout.mode=disaggregate", "rollout.sglang_urls=[http://10.0.1.1:30000]",
                "rollout.speculative.algorithm=EAGLE", "model.recompute=selective",
                "rollout.gpu_memory_utilization=0.7", "actor.max_tokens_per_microbatch=30000",
-               "parallel.sequence_parallel=true", "actor.offload_optimizer=true")
+               "parallel.sequence_parallel=true", "actor.offload_optimizer=true", "actor.router_replay=r2")
     assert plan_from_config(cfg, arch=get_arch("qwen3-30b-a3b"), gpu_memory_gib=96, overhead_gib=2) == "plan"
     assert seen == dict(
         world_size=128, tp=2, pp=1, cp=1, ep=8, etp=1, vpp=None, sequence_parallel=True, params_dtype="bf16",
@@ -228,7 +228,7 @@ def test_every_plan_input_comes_from_its_config_field(monkeypatch):
         rollout_mode="disaggregate", rollout_tp=4, gpu_memory_utilization=0.7, speculative=True,
         max_seq_len=2048 + 20480, rollout_sequences=1536 * 16, gpu_memory=96 * GIB, overhead=2 * GIB,
         bias_activation_fusion=True, gradient_accumulation_fusion=True,     # TE's defaults
-        offload_optimizer=True)
+        offload_optimizer=True, router_replay="r2")
     seen.clear()
     plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "model.bias_activation_fusion=false"),
                      arch=get_arch("qwen3-30b-a3b"))
@@ -377,3 +377,15 @@ def test_weight_sync_plan_for_the_32b_recipe_by_hand():
         assert s.sender_gathers == pytest.approx(7 / 8 * s.stage_bytes, rel=1e-3)  # norms are replicated
     assert plan.sender_egress(0) == 128 * plan.stages[0].stage_bytes
     assert "65.53 GB per server TP rank" in format_weight_sync(plan)
+
+
+def test_router_replay_records_per_rank_at_the_moe_recipe():
+    """The MoE recipe (r2): 512 x 16 rows over DP 64, at most 2,048 + 20,480 tokens, 48 MoE layers, top-8,
+    1 byte per expert id (128 experts): 1.03 GiB of host memory per rank, printed by the planner."""
+    plan = plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml"), arch=get_arch("qwen3-30b-a3b"))
+    assert plan.dp == 64 and plan.router_replay_layers == 48
+    assert plan.router_replay_host == 128 * 22_528 * 48 * 8
+    assert "host: routing             1.03" in format_plan(plan)
+    off = plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=off"),
+                           arch=get_arch("qwen3-30b-a3b"))
+    assert off.router_replay_host == 0 and "host: routing" not in format_plan(off)

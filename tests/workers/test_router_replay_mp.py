@@ -77,6 +77,9 @@ def test_replay_at_the_moe_layout_routes_every_rank_and_layer_as_recorded(one_pr
         assert rk["moe_index"] == stage[layout][rk["pp_rank"]]
         # the update routed as recorded, everywhere this rank looked
         assert rk["compared"] > 0 and rk["mismatched"] == 0, rk["rank"]
+        # memory: 1 byte per (real position, own layer, k), own rows only (the planner's formula, at real lengths)
+        positions = sum(int(raw["prompt_length"][row] + raw["response_length"][row]) for row in rk["record"])
+        assert sum(t.numel() * t.element_size() for t in rk["record"].values()) == positions * len(rk["moe_index"]) * 2
         for row, rec in rk["record"].items():
             assert rec.dtype == torch.uint8
             for j, layer in enumerate(rk["moe_index"]):
