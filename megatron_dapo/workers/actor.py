@@ -177,7 +177,7 @@ class Actor:
         for m in self.policy.chunks:
             m.train()
         try:
-            out = self._update_mini(batch, list(range(len(batch))))
+            out = self._update_mini(batch, list(range(len(batch))), replay_routing=False)
         finally:
             self.loss_fn = saved
             self.scheduler.step(increment=0)  # restore the RL schedule's learning rate
@@ -188,8 +188,11 @@ class Actor:
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.optimizer.state.clear()
 
-    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, record: dict | None = None) -> dict[str, Tensor]:
-        """One optimizer step on the rows `mini` (record: see _loss_func; it receives "plan" and "buf")."""
+    def _update_mini(self, batch: PolicyBatch, mini: list[int], *, record: dict | None = None,
+                     replay_routing: bool = True) -> dict[str, Tensor]:
+        """One optimizer step on the rows `mini` (record: see _loss_func; it receives "plan" and "buf").
+        replay_routing: with actor.router_replay, replay the routing compute_log_prob recorded for the batch
+        (off for the supervised warm-up: no behaviour policy, no recorded routing)."""
         mask = batch.response_mask[mini]
         denom = {"tokens": mask.sum().to(self.pgs.device),
                  "seqs": (mask.sum(-1) > 0).sum().to(self.pgs.device)}
@@ -206,7 +209,7 @@ class Actor:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(self._loss_func, batch, totals, denom, plan.counts(), record, plan)
-        replay = self.policy.replay(batch.responses) if self.policy.router_replay else None
+        replay = self.policy.replay(batch.responses) if self.policy.router_replay and replay_routing else None
         try:
             self.policy.run(plan.microbatches, loss_func, forward_only=False,
                             before_forward=replay.before_forward if replay is not None else None)

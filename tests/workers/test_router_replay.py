@@ -200,3 +200,12 @@ def test_unsupported_replay_settings_name_the_key(extra, text):
     with pytest.raises(ConfigError, match="actor.router_replay") as e:
         load_config("configs/tiny_cpu.yaml", overrides(**{**MOE, **extra}))
     assert text in str(e.value)
+
+
+def test_the_supervised_warm_up_trains_without_replay(pgs):
+    """The warm-up's NLL steps have no behaviour policy and no recorded routing: they route freely (before,
+    a run with router replay and the warm-up failed at its first step)."""
+    raw = random_batch(seed=9)
+    a = make_actor(pgs, **{"actor.router_replay": "r2"})
+    m = a.supervised_step(policy_batch(a, raw), lr=1e-3)
+    assert "router_replay/engaged_layers" not in m and m["actor/grad_norm"] > 0
