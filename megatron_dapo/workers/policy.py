@@ -237,12 +237,14 @@ class PolicyModel:
         return routing.moe_routers(self.chunks)
 
     def provide_routing(self, responses: Tensor, rows: dict[int, Tensor]) -> None:
-        """R3: the rollout engine's routing of the batch `responses`, row -> [L_total, seq_len, K] (every MoE
-        layer of the model, every position of the row: prompt then response); the rows this rank computes
-        at least. This rank keeps its layers' part; compute_log_prob and the update replay it."""
+        """R3: the rollout engine's routing of the batch `responses`, row -> [L_total, S, K] (every MoE layer
+        of the model; the first S positions of the row, prompt then response: SGLang sends every position
+        but the last) or None (no routing: the row routes freely); the rows this rank computes at least.
+        This rank keeps its layers' part; compute_log_prob and the update replay it."""
         layers = routing.RankRouters(self.chunks)
         self._routing = {"key": responses, "provided": True,
-                         "rows": {r: layers.local_part(t, where=f"row {r}") for r, t in rows.items()}}
+                         "rows": {r: None if t is None else layers.local_part(t, where=f"row {r}")
+                                  for r, t in rows.items()}}
 
     def replay(self, responses: Tensor, *, training: bool = True) -> routing.RoutingReplay:
         """For a pass over the batch `responses`: the replay of its recorded routing (call `before_forward`

@@ -201,11 +201,14 @@ class RoutingReplay:
     """Replay of recorded routing in the training forwards, with its self-check.
 
     Before each chunk's forward of a micro-batch, that chunk's routers get the micro-batch's target top-k
-    (padding and filler positions: experts 0..K-1, outside the check). Each router's top-k call is observed:
-    a layer is *engaged* when every forward of its chunk took the replayed choice (a router that the forward
-    never reached, e.g. a stale copy of the decoder, stays at 0), and at the real positions the router's own
-    top-k (the set it would pick from its scores) is compared with the replayed one: the mismatch counts
-    (token, layer) pairs whose sets differ, the drift between the recorded routing and the current router.
+    and which positions it covers (`known`): the real positions of rows that have a record. Every other
+    position (padding, a filler micro-batch, a row or a token the rollout engine sent no routing for)
+    routes as the router itself does. Each router's top-k call is observed: a layer is *engaged* when
+    every forward of its chunk took the replayed choice (a router that the forward never reached, e.g. a
+    stale copy of the decoder, stays at 0), and at the known positions the router's own top-k is compared
+    with the replayed one: the mismatch counts (token, layer) pairs whose sets differ, the drift between
+    the recorded routing and the current router. The replayed probabilities are the router's scores at
+    the replayed experts, as Megatron's RouterReplay computes them.
 
     Full recompute (model.recompute=full): Megatron runs a checkpointed layer's forward without autograd and
     runs it again in the backward pass, by then other micro-batches' targets are set (pipeline schedules run
@@ -224,7 +227,7 @@ class RoutingReplay:
         self.forwards = torch.zeros(n, dtype=torch.int64, device=device)
         self.mismatched = torch.zeros((), dtype=torch.int64, device=device)
         self.compared = torch.zeros((), dtype=torch.int64, device=device)
-        self._mask: list[Tensor | None] = [None] * n
+        self._target: list[tuple[Tensor, Tensor] | None] = [None] * n  # (top-k [tokens, K], known [tokens])
         self._queued: list[deque] = [deque() for _ in range(n)]
         self._unserved: list[int] = []
         for i, r in enumerate(layers.flat):
@@ -239,24 +242,19 @@ class RoutingReplay:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             if replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
                 return bound(scores, topk, num_groups, group_topk, default_compute_topk)
-            if torch.is_grad_enabled() and queued:  # full recompute of a checkpointed forward
-                current, replay.target_topk_idx = replay.target_topk_idx, queued.popleft()
-                try:
-                    return bound(scores, topk, num_groups, group_topk, default_compute_topk)
-                finally:
-                    replay.target_topk_idx = current
-            out = bound(scores, topk, num_groups, group_topk, default_compute_topk)
-            if self.training and not torch.is_grad_enabled():
-                queued.append(replay.target_topk_idx)
-            self.replayed[layer] += 1
-            mask = self._mask[layer]
-            if mask is not None and mask.any():
-                with torch.no_grad():
-                    own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
-                    differ = (own.sort(-1).values != out[1].sort(-1).values).any(-1)
-                    self.mismatched += (differ & mask).sum()
-                    self.compared += mask.sum()
-            return out
+            recompute = torch.is_grad_enabled() and bool(queued)  # full recompute of a checkpointed forward
+            target, known = queued.popleft() if recompute else self._target[layer]
+            with torch.no_grad():
+                own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+                indices = torch.where(known.unsqueeze(1), target, own)
+            if not recompute:
+                if self.training and not torch.is_grad_enabled():
+                    queued.append((target, known))
+                self.replayed[layer] += 1
+                differ = (own.sort(-1).values != target.sort(-1).values).any(-1) & known
+                self.mismatched += differ.sum()
+                self.compared += known.sum()
+            return scores.gather(1, indices), indices
         return get_replay_topk
 
     def before_forward(self, chunk: int, mb: MicroBatch) -> None:
@@ -272,23 +270,23 @@ class RoutingReplay:
                 raise ValueError(f"actor.router_replay: no routing was recorded on this rank for row {row} "
                                  "(compute_log_prob and the update must shard the batch alike)")
         tokens, K = mb.input_ids.numel(), self.layers.top_k
-        target = torch.arange(K).repeat(len(routers), tokens, 1)  # [Lc, tokens, K]
-        real = torch.zeros(tokens, dtype=torch.bool)
+        target = torch.zeros(len(routers), tokens, K, dtype=torch.long)
+        known = torch.zeros(tokens, dtype=torch.bool)
         for k, row in enumerate(rows):
-            rec = self.record[row][span]
+            rec = self.record[row]
+            if rec is None:  # the engine sent no routing for this row (an aborted request): it routes freely
+                continue
             idx = seq_first(mb, mb.seq_start[k] + torch.arange(rec.shape[1]))
-            target[:, idx] = rec.long()
-            real[idx] = True
+            target[:, idx] = rec[span].long()
+            known[idx] = True
         if self.sp is not None:
             tp, rank = self.sp
             shard = tokens // tp
-            target, real = target[:, rank * shard:(rank + 1) * shard], real[rank * shard:(rank + 1) * shard]
-        real = real.to(self.device)
+            target, known = target[:, rank * shard:(rank + 1) * shard], known[rank * shard:(rank + 1) * shard]
+        target, known = target.to(self.device), known.to(self.device)
         for j, r in enumerate(routers):
-            r.router_replay.clear_indices()
-            r.router_replay.set_target_indices(target[j].to(self.device))
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            self._mask[span.start + j] = real
+            self._target[span.start + j] = (target[j], known)
         self.forwards[span] += 1
 
     def remove(self) -> list[int]:
