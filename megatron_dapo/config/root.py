@@ -176,16 +176,9 @@ def _check_rollout_correction(cfg: Config) -> None:
 
 
 def _check_router_replay(cfg: Config) -> None:
-    mode = cfg.actor.router_replay
-    if mode == "off":
-        return
-    if mode == "r3":
-        if cfg.rollout.engine != "sglang":
-            raise ConfigError("actor.router_replay", "r3 replays the routing SGLang reports per request: it needs "
-                              f"rollout.engine=sglang (got {cfg.rollout.engine!r}); r2 records it in the trainer")
-        raise ConfigError("actor.router_replay", "r3 is not available yet: the SGLang client decodes the routing "
-                          "each request returns, but the trainer does not carry it to the ranks that train the "
-                          "rows; use r2 (recorded in the old_log_prob pass)")
+    if cfg.actor.router_replay == "r3" and cfg.rollout.engine != "sglang":
+        raise ConfigError("actor.router_replay", "r3 replays the routing SGLang reports per request: it needs "
+                          f"rollout.engine=sglang (got {cfg.rollout.engine!r}); r2 records it in the trainer")
 
 
 def _check_bypass(cfg: Config) -> None:

@@ -323,6 +323,9 @@ class RolloutBatch:
     finish_reason: list[str]  # [B]
     index: list[str]  # [B] prompt id per row (the GRPO group key)
     meta: list[dict[str, Any]]  # [B] engine meta per row
+    routed_experts: list[torch.Tensor | None] | None = None
+    """[B] Sample.routed_experts per row (R3), on the rank that received the samples (rank 0; other ranks:
+    None per row); None when the engine was not asked for routing."""
 
     def __len__(self) -> int:
         return self.responses.shape[0]
@@ -369,6 +372,8 @@ def samples_to_batch(samples: Sequence[Sample], *, pad_id: int, max_response_len
         finish_reason=[s.finish_reason for s in samples],
         index=[s.prompt_id for s in samples],
         meta=[dict(s.meta) for s in samples],
+        routed_experts=([s.routed_experts for s in samples] if any(s.routed_experts is not None for s in samples)
+                        else None),
     )
 
 

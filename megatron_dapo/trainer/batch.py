@@ -64,11 +64,18 @@ def _pad_cat(tensors: list[Tensor], pad_value) -> Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_value) for t in tensors])
 
 
+PER_ROW_OPTIONAL = frozenset({"routed_experts"})
+"""Per-row list fields that may be None in some records (None = no entry for any of its rows): R3's
+routing lives on rank 0, while every rank restores the in-flight buffer's rows with it."""
+
+
 def _concat(records: list, pad_id: int):
     first = records[0]
     out: dict[str, Any] = {}
     for f in dataclasses.fields(first):
         vals = [getattr(r, f.name) for r in records]
+        if f.name in PER_ROW_OPTIONAL and any(v is not None for v in vals):
+            vals = [v if v is not None else [None] * len(r) for r, v in zip(records, vals, strict=True)]
         v0 = vals[0]
         if isinstance(v0, Tensor):
             out[f.name] = _pad_cat(vals, pad_id if f.name == "prompt_ids" else 0)

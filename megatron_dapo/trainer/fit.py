@@ -42,6 +42,7 @@ from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
 from megatron_dapo.trainer.preemption import Preempted, PreemptionWatch
+from megatron_dapo.trainer.replay import provide_rollout_routing
 from megatron_dapo.trainer.validate import validate
 from megatron_dapo.workers import memory
 from megatron_dapo.workers.batch import select_record
@@ -266,6 +267,9 @@ class DAPOTrainer:
         metrics: dict[str, float] = {}
         sum_sq = None
         with timer("old_log_prob"):
+            if cfg.actor.router_replay == "r3":  # the engine's routing, to the ranks that train each row
+                metrics.update(provide_rollout_routing(
+                    rb, [p.actor.policy] + ([p.reference] if p.reference is not None else []), pgs=p.pgs))
             if self.rc["bypass_mode"]:
                 old = rb.rollout_log_probs
             elif self.old_from_update:
@@ -275,6 +279,9 @@ class DAPOTrainer:
                                               with_sum_sq=True)
                 old, sum_sq = lp.log_probs, lp.sum_sq_probs
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                if p.actor.policy.last_replay_metrics:  # r3: the old_log_prob pass replayed the rollout's routing
+                    metrics["router_replay/rollout_mismatch_frac"] = float(
+                        p.actor.policy.last_replay_metrics["router_replay/mismatch_frac"])
                 if lp.routed_counts is not None:
                     MoELoadBalanceAccumulator.from_counts(lp.routed_counts).add_to_metrics(metrics)
         faults.maybe_crash("after_old_log_prob", step)

@@ -85,13 +85,25 @@ def _connect(cfg: Config, urls: list[str], servers=()):
                           require_memory_saver=r.mode == "colocate" and r.require_memory_saver,
                           health_check_interval_s=r.health_check_interval_s,
                           server_down_timeout_s=r.server_down_timeout_s,
-                          restart=_restarter(servers) if servers and r.restart_servers else None)
+                          restart=_restarter(servers) if servers and r.restart_servers else None,
+                          return_routed_experts=routing_layout(cfg))
     try:
         check_served_model(cfg, engine.model_identity)
     except BaseException:
         engine.close()
         raise
     return engine
+
+
+def routing_layout(cfg: Config):
+    """actor.router_replay=r3: the model's router layout every request asks SGLang for; else None."""
+    if cfg.actor.router_replay != "r3":
+        return None
+    from megatron_dapo.rollout.sglang.routing import RoutingLayout
+    from megatron_dapo.workers.model_arch import model_arch
+
+    arch = model_arch(cfg, vocab_size=0)
+    return RoutingLayout(num_layers=arch.num_layers, top_k=arch.moe_router_topk, num_experts=arch.num_moe_experts)
 
 
 def check_served_model(cfg: Config, served: tuple | None) -> None:
@@ -168,7 +180,8 @@ def sglang_launch_plan(cfg: Config, *, gpu_memory_gib: float | None = None, voca
         device=r.server_device or None, attention_backend=r.server_attention_backend or None,
         max_total_tokens=max_total_tokens, extra_args=tuple(r.server_extra_args),
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
-        speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens)
+        speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens,
+        return_routed_experts=cfg.actor.router_replay == "r3")
         for i in range(n)]
     launcher = (r.sglang_python or sys.executable, "-m", "sglang.launch_server")
     return specs, launcher, dict(item.split("=", 1) for item in r.server_env) or None

@@ -130,19 +130,29 @@ class PolicyModel:
             return [list(range(num_rows))]
         return [list(range(s, s + per)) for s in range(0, num_rows, per)]
 
+    def shard_rows(self, prompt_length: Tensor, response_length: Tensor,
+                   groups: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """The rows each data-parallel rank computes ([dp_size] lists, over all groups) and this rank's rows
+        per group: each group of batch rows is dealt over DP on its own (token-balanced when balance_rows)."""
+        pgs, lengths = self.pgs, (prompt_length + response_length).tolist()
+        every: list[list[int]] = [[] for _ in range(pgs.dp_size)]
+        mine = []
+        for g in groups:
+            glens = [lengths[r] for r in g]
+            shards = [[g[i] for i in dp_shard_rows(glens, pgs.dp_size, rank, balance=self.balance_rows)]
+                      for rank in range(pgs.dp_size)]
+            for rank in range(pgs.dp_size):
+                every[rank] += shards[rank]
+            mine.append(shards[pgs.dp_rank])
+        return every, mine
+
     def plan(self, prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor, response_length: Tensor,
              groups: list[list[int]]) -> PassPlan:
         """Micro-batches of `groups` (lists of batch rows, each sharded over DP on its own)."""
         pgs, lengths = self.pgs, (prompt_length + response_length).tolist()
         interleaved = len(self.chunks) > 1
-        shard_rows: list[list[int]] = [[] for _ in range(pgs.dp_size)]
-        local = []
-        for g in groups:
-            glens = [lengths[r] for r in g]
-            for rank in range(pgs.dp_size):
-                shard_rows[rank] += [g[i] for i in dp_shard_rows(glens, pgs.dp_size, rank, balance=self.balance_rows)]
-            mine = [g[i] for i in dp_shard_rows(glens, pgs.dp_size, pgs.dp_rank, balance=self.balance_rows)]
-            local.append((mine, [lengths[r] for r in mine]))
+        shard_rows, per_group = self.shard_rows(prompt_length, response_length, groups)
+        local = [(mine, [lengths[r] for r in mine]) for mine in per_group]
         # interleaved bshd: one [rows, width] shape for the whole pass (microbatch.py, pad_microbatch)
         width = (-(-max(n for _, ml in local for n in ml) // self.seq_multiple) * self.seq_multiple
                  if interleaved and not self.packed else None)
