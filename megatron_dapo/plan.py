@@ -217,6 +217,10 @@ class MemoryPlan:
     """Host memory per rank of the routing records (actor.router_replay): this DP rank's rows at the longest
     sequence x its stage's MoE layers x top-k, 1 B per id (2 above 256 experts); 0 when off."""
     router_replay_layers: int = 0
+    router_replay_rank0: int = 0
+    """r3: host memory of rank 0, which receives every generated row's routing from the engine: a generation
+    batch's rows at the longest sequence x the MoE layers x top-k (the kept groups' stay until the step's
+    batch is taken)."""
 
     @property
     def resident_train_state(self) -> int:
@@ -344,7 +348,9 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"],
         router_replay_host=replay_layers * math.ceil(logprob_rows / dp) * max_seq_len * (arch.moe_router_topk or 0)
         * (1 if (arch.num_moe_experts or 0) <= 256 else 2) if router_replay != "off" else 0,
-        router_replay_layers=replay_layers if router_replay != "off" else 0)
+        router_replay_layers=replay_layers if router_replay != "off" else 0,
+        router_replay_rank0=sum(pattern) * rollout_sequences * max_seq_len * (arch.moe_router_topk or 0)
+        * (1 if (arch.num_moe_experts or 0) <= 256 else 2) if router_replay == "r3" else 0)
 
 
 def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,
@@ -475,6 +481,10 @@ def format_plan(plan: MemoryPlan) -> str:
         rows += [("host: routing", plan.router_replay_host,
                   f"router replay records per rank (host memory): rows / DP {plan.dp} x {plan.max_seq_len:,} "
                   f"tokens at most x {plan.router_replay_layers} MoE layers x top-k")]
+    if plan.router_replay_rank0:
+        rows += [("host: r3 at rank 0", plan.router_replay_rank0,
+                  f"every generated row's routing as SGLang sent it, at {plan.max_seq_len:,} tokens at most "
+                  "(kept until the step's batch is taken)")]
     head = (f"memory plan: {plan.arch_name}, {plan.params_total / 1e9:.2f} B params; {plan.world_size} GPUs "
             f"= TP {plan.tp} x PP {plan.pp} x CP {plan.cp} x DP {plan.dp} (EP {plan.ep}, ETP {plan.etp}, "
             f"expert DP {plan.expert_dp})")

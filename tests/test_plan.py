@@ -389,3 +389,8 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
     off = plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=off"),
                            arch=get_arch("qwen3-30b-a3b"))
     assert off.router_replay_host == 0 and "host: routing" not in format_plan(off)
+    r3 = plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3"),
+                          arch=get_arch("qwen3-30b-a3b"))
+    # rank 0 receives a generation batch's routing: 1536 x 16 rows x 22,528 tokens x 48 layers x 8
+    assert r3.router_replay_rank0 == 1536 * 16 * 22_528 * 48 * 8 and plan.router_replay_rank0 == 0
+    assert "host: r3 at rank 0      198.00" in format_plan(r3)
