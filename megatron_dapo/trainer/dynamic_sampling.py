@@ -217,7 +217,10 @@ def _scored_to_dict(b: ScoredBatch) -> dict[str, Any]:
     """A ScoredBatch (ragged, every row present: rank 0's) as tensors, lists and dicts."""
     d = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "rollout"}
     rb = b.rollout
-    d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb) if f.name != "response_mask"}
+    # R3's routing is not saved: hundreds of bytes per token would dwarf the rest of the part. The rows of a
+    # step resumed mid-collection route freely (router_replay/rows_with_routing says how many).
+    d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb)
+                    if f.name not in ("response_mask", "routed_experts")}
     for name in RAGGED_FIELDS:
         rows: RaggedRows = d["rollout"][name]
         if not rows.complete:
