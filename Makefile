@@ -40,7 +40,7 @@ test-all: install sglang-env
 SGLANG_VENV ?= .venv-sglang
 SGLANG_ENV_FILES := $(wildcard tests/sglang_env/*.sh tests/sglang_env/*.txt tests/sglang_env/*.py \
 	tests/sglang_env/*.pth tests/sglang_env/sgl_kernel/*.py)
-# The real SGLang server of the tests (0.5.23 beside the CPU torch, two environment shims; about
+# The real SGLang server of the tests (0.5.23 beside the CPU torch, its environment shims; about
 # 2-3 minutes and 3.5 GB), never a project dependency. A re-run is a no-op until its files change.
 sglang-env: $(SGLANG_VENV)/.installed
 

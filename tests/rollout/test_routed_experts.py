@@ -3,8 +3,8 @@ does not fit the model is an error naming the request and field; the gate and th
 releases; and the engine against the stand-in (a tiny HF Qwen3-MoE) puts on every Sample the routing of
 exactly the tokens the model was fed, prompt + response[:-1].
 
-The real CPU SGLang server cannot be used for the last part: launched with --enable-return-routed-experts
-it dies at start-up (its pinned host buffer calls cudaHostRegister: "Torch not compiled with CUDA enabled").
+The real CPU SGLang server returns routing too (with the test venv's host-allocation shim,
+tests/sglang_env/megatron_dapo_host_alloc.py): tests/sglang_real/test_train.py trains against it with R3.
 """
 
 import base64

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the venv of the real SGLang server the tests start (`make sglang-env`): SGLang 0.5.23 with its
-# pure-Python requirements beside the CPU torch 2.13.0, plus the two environment shims of this folder.
+# pure-Python requirements beside the CPU torch 2.13.0, plus the environment shims of this folder.
 # Never a dependency of the project's own venv. Usage: build.sh VENV_DIR [PYTHON]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -24,6 +24,7 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 rm -rf "$site/sgl_kernel"
 cp -r "$here/sgl_kernel" "$site/sgl_kernel"
 cp "$here/megatron_dapo_torchvision_schemas.py" "$here/megatron_dapo_torchvision_schemas.pth" "$site/"
+cp "$here/megatron_dapo_host_alloc.py" "$here/megatron_dapo_host_alloc.pth" "$site/"
 
 # The checks: the CPU torch survived every step, and the server's entry point imports (in a fresh
 # interpreter with the .pth hook, as SGLang's spawned scheduler and detokenizer will be).

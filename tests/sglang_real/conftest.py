@@ -2,7 +2,7 @@
 by the whole test session.
 
 The servers are real `sglang.launch_server` processes (SGLang 0.5.23 from PyPI, in the venv that
-`make sglang-env` builds; tests/sglang_env holds the two shims it needs on a CPU machine), started
+`make sglang-env` builds; tests/sglang_env holds the shims it needs on a CPU machine), started
 through the trainer's own launch path (`trainer.run.sglang_launch_plan` -> `build_launch_command` ->
 `launch_servers`), with the CPU settings given as configuration (CPU_SERVER). They serve the model in
 fp32, so that their log-probs and greedy tokens can be compared with the fp32 actor's tightly.

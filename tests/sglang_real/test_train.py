@@ -176,3 +176,22 @@ def test_the_trainer_launches_a_qwen3_moe_server_and_trains_against_it(tmp_path_
     scalars, logs = _self_launched(tmp_path, *moe, *cpu_server_overrides(), "rollout.mode=disaggregate")
     _check_log_probs(scalars)
     assert "Qwen3MoeForCausalLM" in logs[0].read_text(errors="replace")
+
+
+def test_r3_replays_the_routing_the_real_server_chose(tmp_path_factory, tmp_path):
+    """actor.router_replay=r3 against the real server: the trainer launches it with
+    --enable-return-routed-experts, every request returns its routed experts (SGLang's own int32 base64),
+    and the actor replays them in the old_log_prob and update passes. The actor's own routers would choose
+    the same experts at every routed position of every row and layer (rollout_mismatch_frac 0: the
+    server's layer order, token positions and expert ids are read right), both MoE layers took the
+    replayed routing, and the log-probs still agree with the server's to round-off."""
+    from tests.sglang_real.model import write_tiny_qwen3_moe
+
+    moe = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe_r3") / "model"))
+    scalars, logs = _self_launched(tmp_path, *moe, *cpu_server_overrides(), "rollout.mode=disaggregate",
+                                   "actor.router_replay=r3")
+    _check_log_probs(scalars)
+    assert "'enable_return_routed_experts': True" in logs[0].read_text(errors="replace")
+    for name, want in (("router_replay/rows_with_routing", 1.0), ("router_replay/rollout_mismatch_frac", 0.0),
+                       ("router_replay/engaged_layers", 2.0)):
+        assert scalars[name] == dict.fromkeys(range(1, STEPS + 1), want), (name, scalars[name])

@@ -15,9 +15,9 @@ What the wheels show (release = first one with the change):
   spec_accept_token_num (accepted), present only after a verify step. Lower bound: before 0.5.8
   the counters of accepted and proposed drafts do not exist.
 - 0.5.8 (first in 0.5.7; 0.5.6 has none): routed experts ("R3", rollout routing replay). Read from the
-  0.5.8 to 0.5.14 and 0.5.23 wheels (paths under sglang/srt), not run: a CPU 0.5.23 server launched
-  with the switch dies at start-up (its pinned host buffer calls cudaHostRegister, mem_cache/pool_host/
-  common.py:147, "Torch not compiled with CUDA enabled").
+  0.5.8 to 0.5.14 and 0.5.23 wheels (paths under sglang/srt), and run on a CPU 0.5.23 server (its
+  pinned host buffer calls cudaHostRegister, mem_cache/pool_host/common.py:147, which a CPU torch
+  refuses: the test venv allocates it plainly, tests/sglang_env/megatron_dapo_host_alloc.py).
   Request: `return_routed_experts: true` (GenerateReqInput, 0.5.8 managers/io_struct.py:204,
   0.5.23 :264); the server needs the launch switch --enable-return-routed-experts (ROUTED_EXPERTS_FLAG;
   0.5.8 server_args.py:4407, 0.5.23 arg_groups/fields/exec_.py:158), reported as
