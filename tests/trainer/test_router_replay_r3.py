@@ -45,9 +45,12 @@ def _check_replay(scalars, steps, mode: str):
 @pytest.mark.multiproc
 def test_r3_replays_the_servers_routing_on_one_process(moe):
     tmp, hf_dir, urls = moe
-    scalars, report, _ = _launch(tmp / "one", _overrides(hf_dir, urls, "actor.router_replay=r3"), 1, 0)
+    # with a KL loss: the reference replays the rollout's routing too
+    scalars, report, _ = _launch(tmp / "one", _overrides(hf_dir, urls, "actor.router_replay=r3",
+                                                         "actor.use_kl_loss=true"), 1, 0)
     _check_every_step(scalars, report, [1, 2, 3])
     _check_replay(scalars, [1, 2, 3], "r3")
+    assert all(v >= 0 for v in scalars["actor/kl_loss"].values())
 
 
 LAYOUTS = {"tp2_ep2": ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2",
