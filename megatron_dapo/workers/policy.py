@@ -112,7 +112,6 @@ class PolicyModel:
         self.minibatch_rows, self.balance_rows = minibatch_rows, balance_rows
         self.packed = packed_sequences
         self.router_replay = router_replay != "off"
-        self.replay_mode = router_replay
         # Router replay: per row this rank trains, [L, seq_len, K] expert ids of the last compute_log_prob
         # batch, keyed by the batch's responses tensor so a stale record is never used.
         self._routing: dict | None = None
