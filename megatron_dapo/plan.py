@@ -89,7 +89,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from megatron_dapo.models.arch import ModelArch
+from megatron_dapo.models.arch import ModelArch, expert_id_dtype
 from megatron_dapo.plan_params import (  # noqa: F401 - re-exported: the planner's public names
     RankParams,
     count_shards,
@@ -306,6 +306,7 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
     ranks = [train_memory(r) for r in count_shards(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp)]
     # routing records (router replay): the pipeline stage with the most MoE layers
     replay_layers = max(sum(bool(pattern[i]) for i in m["rank"].layers) for m in ranks)
+    id_bytes = expert_id_dtype(arch.num_moe_experts or 0).itemsize
     busiest = max(ranks, key=lambda m: m["peak"])
     colocated = rollout_engine == "sglang" and rollout_mode == "colocate"
     master = 4 / opt_bytes if params_dtype == "bf16" else 0.0      # the fp32 master copy's share of the optimizer
@@ -347,10 +348,10 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         rollout_reserved=reserved, rollout_peak=rollout_peak, max_seq_len=max_seq_len,
         micro_batch_tokens=tokens, recompute=recompute, in_flight=busiest["flight"],
         router_replay_host=replay_layers * math.ceil(logprob_rows / dp) * max_seq_len * (arch.moe_router_topk or 0)
-        * (1 if (arch.num_moe_experts or 0) <= 256 else 2) if router_replay != "off" else 0,
+        * id_bytes if router_replay != "off" else 0,
         router_replay_layers=replay_layers if router_replay != "off" else 0,
         router_replay_rank0=sum(pattern) * rollout_sequences * max_seq_len * (arch.moe_router_topk or 0)
-        * (1 if (arch.num_moe_experts or 0) <= 256 else 2) if router_replay == "r3" else 0)
+        * id_bytes if router_replay == "r3" else 0)
 
 
 def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,

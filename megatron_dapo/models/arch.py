@@ -231,3 +231,11 @@ def count_parameters(arch: ModelArch) -> dict[str, int]:
     fixed = embedding + norm                                                # + final norm
     return {"total": fixed + sum(t for t, _ in layers), "active": fixed + sum(a for _, a in layers),
             "embedding": embedding}
+
+
+def expert_id_dtype(num_experts: int):
+    """The compact dtype of a MoE expert id (routing records, routed experts from the engine): uint8 up to
+    256 experts, int16 above."""
+    import torch
+
+    return torch.uint8 if num_experts <= 256 else torch.int16

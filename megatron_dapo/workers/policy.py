@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.distributed as dist
@@ -245,14 +245,18 @@ class PolicyModel:
     def _routers(self) -> list:
         return routing.moe_routers(self.chunks)
 
+    @cached_property
+    def _rank_routers(self) -> routing.RankRouters:
+        """This rank's routers per chunk and their MoE-layer indices, found once (a module walk)."""
+        return routing.RankRouters(self.chunks)
+
     def provide_routing(self, responses: Tensor, rows: dict[int, Tensor]) -> None:
         """R3: the rollout engine's routing of the batch `responses`, row -> [L_total, S, K] (every MoE layer
         of the model; the first S positions of the row, prompt then response: SGLang sends every position
         but the last) or None (no routing: the row routes freely); the rows this rank computes at least.
         This rank keeps its layers' part; compute_log_prob and the update replay it."""
-        layers = routing.RankRouters(self.chunks)
         self._routing = {"key": responses, "provided": True,
-                         "rows": {r: None if t is None else layers.local_part(t, where=f"row {r}")
+                         "rows": {r: None if t is None else self._rank_routers.local_part(t, where=f"row {r}")
                                   for r, t in rows.items()}}
 
     def replay(self, responses: Tensor, *, training: bool = True) -> routing.RoutingReplay:
@@ -261,7 +265,7 @@ class PolicyModel:
         if self._routing is None or self._routing["key"] is not responses:
             raise ValueError("actor.router_replay: no routing was recorded for this batch "
                              "(compute_log_prob must run on the same batch first)")
-        return routing.RoutingReplay(routing.RankRouters(self.chunks), self._routing["rows"],
+        return routing.RoutingReplay(self._rank_routers, self._routing["rows"],
                                      sequence_parallel=self.sequence_parallel, tp_size=self.pgs.tp_size,
                                      tp_rank=self.pgs.tp_rank, device=self.pgs.device, training=training)
 
@@ -308,7 +312,7 @@ class PolicyModel:
                                         tp_size=self.pgs.tp_size, tp_rank=self.pgs.tp_rank) if counted else None)
         provided = self._routing is not None and self._routing.get("provided") and self._routing["key"] is responses
         replay = self.replay(responses, training=False) if provided else None
-        recorder = (routing.RoutingRecorder(routing.RankRouters(self.chunks), tp_group=self.pgs.tp,
+        recorder = (routing.RoutingRecorder(self._rank_routers, tp_group=self.pgs.tp,
                                             tp_size=self.pgs.tp_size, sequence_parallel=self.sequence_parallel)
                     if self.router_replay and routers and not provided else None)
         weight = self.lm_head_weight() if self.pgs.is_last_pp_stage else None

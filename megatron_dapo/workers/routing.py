@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dapo.models.arch import expert_id_dtype
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.workers.microbatch import MicroBatch
 
@@ -36,10 +37,6 @@ def seq_first(mb: MicroBatch, flat: Tensor) -> Tensor:
     """Row-major flat positions of the [R, C] input -> the router's sequence-first token index."""
     R, C = mb.input_ids.shape
     return (flat % C) * R + flat // C
-
-
-def expert_id_dtype(num_experts: int) -> torch.dtype:
-    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 class RoutingCounts:

@@ -23,8 +23,9 @@ Protocol (the request and reply layout: sglang.payloads):
   scheduler matches prefixes), so rids are prefix-free (`request_ids`).
 - Streaming (`generate_streaming`): one request per group, each group reported as its request returns;
   after the stop the requests still running are aborted by rid.
+  POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
 - Routed experts (opt-in, `return_routed_experts`: R3): every request carries `return_routed_experts: true`
-  and each Sample the decoded `meta_info.routed_experts` (sglang/routing.py). POST /pause_generation {"mode"} and /continue_generation {}. GET /health, /health_generate, /model_info (0.5.8+).
+  and each Sample the decoded `meta_info.routed_experts` (sglang/routing.py).
   POST /release_memory_occupation and /resume_memory_occupation {"tags": null | [...]}.
   Weight updates: see sglang/weights.py; from 0.5.21 the distributed and tensor updates run inside
   a /begin_weight_update ... /end_weight_update session (`weight_update_session`).

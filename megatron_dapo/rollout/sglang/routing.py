@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_dapo.models.arch import expert_id_dtype
+
 REQUEST_FIELD = "return_routed_experts"
 """The /generate request field that asks for the routing."""
 META_KEY = "routed_experts"
@@ -34,11 +36,6 @@ META_KEY = "routed_experts"
 def routed_tokens(prompt_len: int, response_len: int) -> int:
     """S, the rows SGLang returns for a prompt of `prompt_len` and a response of `response_len` tokens."""
     return max(prompt_len + response_len - 1, 0)
-
-
-def routing_dtype(num_experts: int) -> torch.dtype:
-    """uint8 up to 256 experts, int16 above (ids 0 .. num_experts - 1)."""
-    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 @dataclass(frozen=True)
@@ -99,4 +96,4 @@ def decode_routed_experts(
         )
     # [S, L, K] -> [L, S, K]: the trainer replays one layer at a time.
     out = torch.from_numpy(ids.reshape(num_tokens, num_layers, top_k).transpose(1, 0, 2).copy())
-    return out.to(routing_dtype(num_experts))
+    return out.to(expert_id_dtype(num_experts))
