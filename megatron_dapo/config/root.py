@@ -99,14 +99,22 @@ def _check_queue(cfg: Config) -> None:
     q = cfg.queue
     if not q.enable:
         return
-    if cfg.trainer.world_size != 1:
-        raise ConfigError("queue.enable", f"the queue trainer runs one training process, got trainer.nnodes x "
-                          f"trainer.n_gpus_per_node = {cfg.trainer.world_size}; use the sync trainer "
-                          "(queue.enable=false) for several")
-    if cfg.rollout.engine != "local":
-        raise ConfigError("queue.enable", f"the queue trainer generates with rollout.engine=local only, got "
-                          f"{cfg.rollout.engine!r}: its weight pushes do not reach SGLang servers yet, which would "
-                          "generate with a stale policy; use the sync trainer (queue.enable=false) with SGLang")
+    if cfg.rollout.engine == "local" and cfg.trainer.world_size != 1:
+        raise ConfigError("queue.enable", f"with rollout.engine=local the queue trainer runs one training process, "
+                          f"got trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.world_size}; use "
+                          "rollout.engine=sglang for several")
+    if cfg.rollout.engine == "sglang" and q.max_staleness > 0:
+        if cfg.rollout.mode == "colocate":
+            raise ConfigError("queue.max_staleness", f"expected 0 with rollout.mode=colocate, got {q.max_staleness}: "
+                              "in async mode the servers generate while the actor trains, so they need accelerators "
+                              "of their own (rollout.mode=disaggregate)")
+        if cfg.rollout.speculative.auto:
+            raise ConfigError("rollout.speculative.auto", "the with / without speculation comparison relaunches the "
+                              "servers between steps; the queue trainer's async mode generates across steps: set "
+                              "rollout.speculative.auto=false")
+    if cfg.actor.router_replay == "r3":
+        raise ConfigError("actor.router_replay", "r3 is not supported by the queue trainer yet (the queue does not "
+                          "carry the servers' routing): use r2, or the sync trainer (queue.enable=false)")
     if cfg.trainer.async_save:
         raise ConfigError("trainer.async_save", "the queue trainer saves synchronously (its queue and checkpoint are "
                           "committed together); set trainer.async_save=false or use the sync trainer")

@@ -131,7 +131,8 @@ class Sample:
     finish_reason: str
     """One of FINISH_REASONS."""
     policy_version: int
-    """Version of the weights that produced the sample (bumped by each update_weights)."""
+    """Version of the weights that produced the sample (bumped by each update_weights); for a sample whose
+    tokens came from several versions (a weight update while it was generated), the newest."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Engine meta: the SPEC_META_KEYS counts when speculative decoding ran."""
     routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -140,6 +141,15 @@ class Sample:
     and every response token but the last (sampled, never fed forward: a trainer replaying the routing
     over P + R positions picks any experts for the last one, whose output no log-prob uses). None when
     not asked for, or for an "abort" sample the server returned no routing for."""
+    first_policy_version: int | None = None
+    """Version of the weights that produced its first token, when the engine reports it and it differs from
+    policy_version (SGLang's per-request weight-version spans: the weights changed mid-generation); None:
+    every token came from policy_version."""
+
+    @property
+    def min_policy_version(self) -> int:
+        """The oldest weights that produced a token of this sample."""
+        return self.policy_version if self.first_policy_version is None else self.first_policy_version
 
     def __post_init__(self):
         where = f"Sample(prompt_id={self.prompt_id!r}, sample_index={self.sample_index!r})"
@@ -166,6 +176,11 @@ class Sample:
             raise ValueError(f"{where}.meta must be a dict, got {type(self.meta).__name__}")
         if self.routed_experts is not None:
             _check_routing(self.routed_experts, len(self.prompt_token_ids) + len(response) - 1, where)
+        if self.first_policy_version is not None:
+            _require_int(self.first_policy_version, f"{where}.first_policy_version", minimum=0, prefix="")
+            if self.first_policy_version > self.policy_version:
+                raise ValueError(f"{where}: first_policy_version {self.first_policy_version} is newer than "
+                                 f"policy_version {self.policy_version}")
 
 
 def _check_routing(r: Any, rows: int, where: str) -> None:

@@ -141,12 +141,15 @@ class Producer:
 
     def __init__(self, queue: TransferQueue, engine, *, sampling: SamplingParams, producer_id: str,
                  partition: str = TRAIN_PARTITION, weights: WeightStore | None = None, partial_rollout: bool = False,
-                 fault_point: str = "generation", poll_s: float = 0.05):
+                 fault_point: str = "generation", poll_s: float = 0.05, stop: threading.Event | None = None):
+        """stop: once set, a claim whose generation returns is not written (it stays running: the
+        generation may have been cut by an abort at shutdown; the next start's recovery reissues it)."""
         if partial_rollout and weights is None:
             raise ValueError("partial rollouts need a WeightStore: a weight sync is what aborts a generation")
         self.queue, self.engine, self.sampling = queue, engine, sampling
         self.producer_id, self.partition, self.weights = producer_id, partition, weights
         self.partial_rollout, self.fault_point, self.poll_s = partial_rollout, fault_point, poll_s
+        self.stop = stop
         self._claims = 0
 
     @property
@@ -167,6 +170,8 @@ class Producer:
         fields = self.queue.get(self.partition, meta.keys, ["prompts", "seed"])
         groups = self.generate(list(meta.keys), fields["prompts"], fields["seed"])
         faults.maybe_crash(self.fault_point, max(int(t["global_steps"]) for t in meta.tags))
+        if self.stop is not None and self.stop.is_set():
+            return 0
         return self._write(list(meta.keys), groups, token)
 
     def generate(self, keys: list[str], prompts: Sequence[list[int]], seeds: Sequence[int | None]
@@ -213,7 +218,7 @@ class Producer:
     # -- sampling with partial rollouts ---------------------------------------------------------
     def _sample(self, inputs: list[PromptInput], sampling: SamplingParams) -> list[Trajectory]:
         samples = self._call(inputs, sampling)
-        trajs = [Trajectory(s, s.policy_version) for s in samples]
+        trajs = [Trajectory(s, s.min_policy_version) for s in samples]
         while self.partial_rollout:
             todo = [i for i, t in enumerate(trajs) if t.sample.finish_reason == "abort"]
             if not todo:

@@ -25,14 +25,25 @@ Modes.
   step are consumed as "surplus" (the DAPO recipe trims them too). Keys, seeds and batching equal
   the sync trainer's, so with parameter_sync_step = 1 a run equals `DAPOTrainer.fit` step for step
   (tested). Nothing of the queue outlives a step.
-- async (max_staleness >= 1): `queue.num_producers` spawned processes, each with its own
-  LocalEngine on the weights this trainer publishes at every sync (producer.WeightStore). The
-  trainer keeps at most (max_staleness + 1) * parameter_sync_step generation batches issued and
-  not yet consumed, so producers run at most about max_staleness syncs ahead; at use, a group whose
+- async (max_staleness >= 1): rollout producers run while the actor trains. With SGLang
+  (rollout.engine=sglang, disaggregated servers) they are `queue.num_producers` threads on rank 0
+  sending claims to the servers (server_producers.py); every weight push reaches every server with
+  its version, generation paused in place around it (queue.partial_rollout: running samples continue
+  under the new weights, each row keeping the versions its tokens came from) or the producers
+  drained first (every sample from one version). With the local engine (one process) they are
+  spawned processes, each with its own LocalEngine on the weights this trainer publishes at every
+  sync (producer.WeightStore). The trainer keeps at most (max_staleness + 1) * parameter_sync_step
+  generation batches issued and not yet consumed (admission: nothing is generated further ahead),
+  so producers run at most about max_staleness syncs ahead; at use, a group whose
   oldest token is more than max_staleness syncs old is dropped and regenerated
   (stale_policy=drop) or trained with token-level IS against the recomputed old log-probs
   (stale_policy=correct). Leftover groups wait for the next local update. A producer that dies is
   restarted and its running claims are reissued.
+
+Processes: the queue and the producers live on global rank 0; it collects each local update's batch
+(gen, reward, dynamic sampling, the staleness check) and sends it to every rank (real tokens only),
+and every rank runs the actor's passes and the weight push, as in the sync trainer. An error in rank
+0's part reaches every rank (`_rank0`).
 
 Recovery (`_resume`): load the last checkpoint c, then make the queue agree with it.
 - sync: delete every prompt not consumed at a step <= c (with its trajectories) and take the
@@ -48,14 +59,16 @@ Shape legend: B rows (n per prompt, prompt-major), T max_response_length, L one 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.algos.dynamic_sampling import select_informative_groups
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.metrics import (
     StageTimer,
     compute_staleness_metrics,
@@ -63,6 +76,8 @@ from megatron_dapo.metrics import (
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.queue import TransferQueue, prompt_uid_of, reissue_inflight_prompts, trajectory_key
 from megatron_dapo.rollout.base import Sample, samples_to_batch
+from megatron_dapo.rollout.ragged import to_dense, to_ragged
+from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.batch import ScoredBatch
 from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
@@ -77,6 +92,8 @@ from megatron_dapo.trainer.producer import (
     reissue_claims,
     sampling_params,
 )
+from megatron_dapo.trainer.server_producers import ServerProducers
+from megatron_dapo.workers import memory
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +110,21 @@ class QueueTrainer(DAPOTrainer):
     def __init__(self, cfg: Config, parts: TrainerParts):
         super().__init__(cfg, parts)
         qc, P = cfg.queue, cfg.queue.parameter_sync_step
-        # One process, the local engine, checkpoints on weight syncs: refused otherwise at load (config/root.py).
+        # What runs: config/root.py refuses the rest at load (the local engine at one process, SGLang
+        # servers disaggregated in async mode, checkpoints on weight syncs).
         self.sync_mode = qc.max_staleness == 0
+        self.world, self.on_servers = parts.pgs.world_size, cfg.rollout.engine == "sglang"
+        self.inplace = self.on_servers and not self.sync_mode and qc.partial_rollout
         if qc.stale_policy == "correct" and self.rc["bypass_mode"] and not self.sync_mode:
             raise ValueError("queue.stale_policy=correct needs decoupled mode (the actor's recomputed old log-probs); "
                              "algorithm.rollout_correction.bypass_mode is on")
         self.P, self.n, self.tbs = P, cfg.rollout.n, cfg.data.train_batch_size
         self.gbs = cfg.data.effective_gen_batch_size
-        path = qc.path or os.path.join(cfg.run_dir, "queue.sqlite")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.queue = TransferQueue(path)
+        self.queue_path = qc.path or os.path.join(cfg.run_dir, "queue.sqlite")
+        self.queue = None  # rank 0 only
+        if self.is_rank0:
+            os.makedirs(os.path.dirname(os.path.abspath(self.queue_path)), exist_ok=True)
+            self.queue = TransferQueue(self.queue_path)
         self.policy_version = 0
         self._pool: list[tuple[str, int]] = []  # informative scored groups not trained yet: (key, oldest version)
         self._filtered: list[str] = []  # constant groups, consumed at the next commit
@@ -110,11 +132,51 @@ class QueueTrainer(DAPOTrainer):
         self._reward_keys: tuple[str, ...] = ()
         self._last_issue: tuple[int, int] | None = None  # (step, generation batch) of the last issued batch
         self._row_info = getattr(parts.reward_manager.score_fn, "takes_row_info", False)
-        sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
-        self.producer = Producer(self.queue, parts.engine, sampling=sampling, producer_id="trainer") \
-            if self.sync_mode else None
-        self.weights = None if self.sync_mode else WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
-        self.pool: ProducerPool | None = None
+        # The engine rank 0 drives itself (SGLang: the client inside RankZeroEngine; None on other ranks).
+        self.driven = parts.engine.engine if isinstance(parts.engine, RankZeroEngine) else parts.engine
+        self.sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
+        self.producer = Producer(self.queue, self.driven, sampling=self.sampling, producer_id="trainer") \
+            if self.sync_mode and self.is_rank0 else None
+        self.weights = None if self.sync_mode or self.on_servers else \
+            WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
+        self.pool: ProducerPool | None = None  # local engine: producer processes
+        self.producers: ServerProducers | None = None  # SGLang: producer threads on rank 0
+        if self.inplace:
+            self._rank0(self._check_no_radix_cache)
+
+    def _check_no_radix_cache(self) -> None:
+        """Pushes into running generation keep the servers' cache (not flushed): a radix cache would then
+        serve prompt prefixes computed by older weights to new requests (trainer/run.py inplace_pushes)."""
+        cached = [url for url, off in self.driven.server_arg("disable_radix_cache").items() if off is not True]
+        if cached:
+            raise ConfigError("queue.partial_rollout", f"the SGLang servers {cached} run with a radix cache; weight "
+                              "pushes into running generation keep the cache, so new requests would reuse prompt "
+                              "prefixes computed by older weights: launch them with --disable-radix-cache (the "
+                              "servers this trainer launches get it), or set queue.partial_rollout=false")
+
+    def _rank0(self, fn):
+        """fn() on global rank 0, where the queue and the producers live; its result (picklable) reaches
+        every rank, and so does its error: rank 0 raises it, the others a DriverError with its message."""
+        if self.world == 1:
+            return fn()
+        result, error = None, None
+        if self.is_rank0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+                error = e
+        group = self.p.pgs.ctrl
+        box = [(result, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        if error is not None:
+            raise error
+        result, message = box[0]
+        if message is not None:
+            raise DriverError(f"the queue trainer's rank 0 failed: {message}")
+        return result
+
+    def _done(self) -> bool:
+        return self._rank0(super()._done)  # the sampler's epoch is known on rank 0, which issues the prompts
 
     # ---------------------------------------------------------------------------------------------
     def _fit(self) -> dict[str, float]:
@@ -139,7 +201,7 @@ class QueueTrainer(DAPOTrainer):
             batch, metrics = self._step_once(step, timer, first=j == 0, last=j == self.P - 1)
             self.global_step = step
             if j == self.P - 1:
-                self._sync_weights()
+                metrics.update(self._sync_weights())
             timings = {**timer.timings_s, "step": time.perf_counter() - t0}
             if batch is not None:
                 metrics.update(self._perf_metrics(batch, timings))
@@ -157,21 +219,35 @@ class QueueTrainer(DAPOTrainer):
 
     def _save(self) -> None:
         super()._save()
-        self.queue.delete_trajectories(TRAIN, self.queue.list_keys(TRAIN, is_prompt=True, status="consumed"))
+        if self.is_rank0:
+            self.queue.delete_trajectories(TRAIN, self.queue.list_keys(TRAIN, is_prompt=True, status="consumed"))
 
     def _step_once(self, step: int, timer, *, first: bool, last: bool):
         """One local update; returns (the trained ScoredBatch or None, metrics)."""
-        keys, metrics = self._collect(step, timer, first=first)  # gen + reward + dynamic sampling
+        keys, batch, min_versions, metrics = self._rank0(lambda: self._next_batch(step, timer, first=first))
         faults.maybe_crash("after_reward", step)
-        batch = None
+        if self.colocated_servers and first:  # sync mode (async refuses colocation): the servers' memory for the actor
+            self.p.engine.release_memory()
+            memory.reclaim_for_training(self.p.actor.offload)
         if keys:
             # balance: the actor deals the rows over data-parallel ranks by token count (dp_shard_rows)
-            batch, min_versions = self._load_batch(keys)
+            batch = dataclasses.replace(batch, rollout=to_dense(batch.rollout))
             metrics.update(self._train(batch, keys, min_versions, step, timer))
         faults.maybe_crash("after_update_actor", step)
-        self._commit(step, keys, last=last)
+        self._rank0(lambda: self._commit(step, keys, last=last))
         faults.maybe_crash("after_commit", step)
         return batch, metrics
+
+    def _next_batch(self, step: int, timer, *, first: bool):
+        """Rank 0: gen + reward + dynamic sampling, then the train groups' batch (ragged for the other ranks:
+        real tokens only) and the oldest policy version of each row."""
+        keys, metrics = self._collect(step, timer, first=first)
+        if not keys:
+            return keys, None, None, metrics
+        batch, min_versions = self._load_batch(keys)
+        if self.world > 1:
+            batch = dataclasses.replace(batch, rollout=to_ragged(batch.rollout, pad_id=self.p.tokenizer.pad_id))
+        return keys, batch, min_versions, metrics
 
     # -- gen + reward + dynamic sampling -----------------------------------------------------------
     def _collect(self, step: int, timer, *, first: bool) -> tuple[list[str], dict[str, float]]:
@@ -221,7 +297,10 @@ class QueueTrainer(DAPOTrainer):
             return keys
         while True:
             self._top_up(step)
-            self._check_producers()
+            if self.producers is not None:
+                self.producers.check()
+            else:
+                self._check_producers()
             new = [k for k in self.queue.list_keys(TRAIN, is_prompt=True, status="done") if k not in self._seen]
             if new:
                 return new
@@ -335,7 +414,26 @@ class QueueTrainer(DAPOTrainer):
                             ground_truth=rep(pf["ground_truth"]),
                             scores=torch.tensor(f["rm_scores"], dtype=torch.float32),
                             rewards=torch.tensor(f["rewards"], dtype=torch.float32), extra=extra)
-        return batch, torch.tensor(f["min_policy_version"], dtype=torch.int64)
+        min_versions = torch.tensor(f["min_policy_version"], dtype=torch.int64)
+        self._check_versions(rollout, min_versions)
+        return batch, min_versions
+
+    def _check_versions(self, rollout, min_versions: torch.Tensor) -> None:
+        """Rows must come from weights this trainer pushed: in sync mode the last push's, in async mode one
+        no newer than it (an engine that missed a push or reports a version never sent fails the step)."""
+        newest, oldest = rollout.policy_version, min_versions
+        if self.sync_mode:
+            bad = torch.nonzero((newest != self.policy_version) | (oldest != self.policy_version)).squeeze(1)
+            expected = f"policy version {self.policy_version}"
+        else:
+            bad = torch.nonzero((newest > self.policy_version) | (oldest > newest) | (oldest < 0)).squeeze(1)
+            expected = f"versions within 0..{self.policy_version}, the oldest first"
+        if len(bad):
+            r = int(bad[0])
+            raise stages.PolicyVersionError(
+                f"rollout row {r} (group {rollout.index[r]!r}) was generated with policy versions "
+                f"{int(oldest[r])}..{int(newest[r])}, expected {expected} ({len(bad)} of {len(newest)} rows "
+                "differ): the engine did not receive the weight syncs")
 
     def _train(self, batch: ScoredBatch, keys: list[str], min_versions: torch.Tensor, step: int,
                timer) -> dict[str, float]:
@@ -348,14 +446,15 @@ class QueueTrainer(DAPOTrainer):
         sum_sq = None
         with timer("old_log_prob"):
             if rc["bypass_mode"]:
-                src = self.queue.get(TRAIN, tkeys, ["rollout_log_probs"])["rollout_log_probs"]
-                self.queue.put_fields(TRAIN, tkeys, {"old_log_probs": src})
+                record = {"old_log_probs": _rows(rb.rollout_log_probs, rb.response_length)}
             else:
                 lp = p.actor.compute_log_prob(*seqs, with_entropy=True, with_sum_sq=True)
                 sum_sq = lp.sum_sq_probs
-                self.queue.put_fields(TRAIN, tkeys, {"old_log_probs": _rows(lp.log_probs, rb.response_length),
-                                                     "entropy": _rows(lp.entropy, rb.response_length)})
-            old = _padded(self.queue.get(TRAIN, tkeys, ["old_log_probs"])["old_log_probs"], rb.responses.shape[1])
+                record = {"old_log_probs": _rows(lp.log_probs, rb.response_length),
+                          "entropy": _rows(lp.entropy, rb.response_length)}
+            if self.is_rank0:  # the stage's output, on record in the queue
+                self.queue.put_fields(TRAIN, tkeys, record)
+            old = _padded(record["old_log_probs"], rb.responses.shape[1])
             if not rc["bypass_mode"]:
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
         rc_now = dict(rc)
@@ -383,26 +482,49 @@ class QueueTrainer(DAPOTrainer):
                     self._seen.difference_update(keys)
         self._filtered = []
 
-    def _sync_weights(self) -> None:
-        self.policy_version = self.global_step
-        self.p.engine.update_weights(None, policy_version=self.policy_version)  # colocated: shares the weights
-        if self.weights is not None:
-            self.weights.publish(self.policy_version, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
+    def _sync_weights(self) -> dict[str, float]:
+        """The actor's weights to the engines as version global_step; returns the push's metrics."""
+        version = self.policy_version = self.global_step
+        if not self.on_servers:
+            self.p.engine.update_weights(None, policy_version=version)  # colocated: shares the weights
+            if self.weights is not None:
+                self.weights.publish(version, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
+            return {}
+        if self.sync_mode:  # nothing is generating: the sync trainer's push
+            return self.sync_weights(version) or {}
+        # Async: generation paused in place (the cache the running requests hold is kept: not flushed) or
+        # drained; every rank takes part in the push, and generation goes on whatever happened to it.
+        t0 = time.perf_counter()
+        self._rank0(lambda: self.driven.pause_generation("in_place") if self.inplace else self.producers.drain())
+        try:
+            out = self.sync_weights(version, flush_cache=not self.inplace) or {}
+        finally:
+            self._rank0(lambda: self.driven.continue_generation() if self.inplace else self.producers.resume())
+        return {**out, "timing_s/weight_sync_paused": time.perf_counter() - t0}
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        self.queue.close()
+        if self.producers is not None:
+            self.producers.close()
+            self.producers = None
+        if self.queue is not None:
+            self.queue.close()
 
     # -- recovery ------------------------------------------------------------------------------------
     def _resume(self) -> None:
         """Checkpoint first, then the queue is made to agree with it (module docstring)."""
-        if self.cfg.trainer.resume_mode == "disable":
+        if self.cfg.trainer.resume_mode == "disable" and self.is_rank0:
             for part in set(self.queue.partitions()) & {TRAIN, STATE}:
                 self.queue.drop_partition(part)
         super()._resume()
-        c = self.policy_version = self.global_step
+        self.policy_version = self.global_step
+        self._rank0(self._recover_queue)
+
+    def _recover_queue(self) -> None:
+        """Rank 0: the queue made to agree with checkpoint c = global_step, then the producers started."""
+        c = self.global_step
         self.queue.create_partition(TRAIN)
         if self.sync_mode:
             discard_after(self.queue, c)
@@ -413,7 +535,12 @@ class QueueTrainer(DAPOTrainer):
             self._load_sampler_record()
         n = self._reissue_inflight_prompts()
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
-        if not self.sync_mode:
+        if not self.sync_mode and self.on_servers:
+            self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling,
+                                             num=self.cfg.queue.num_producers,
+                                             claim_size=max(1, self.gbs // self.cfg.queue.num_producers))
+            self.producers.start()
+        elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
             self.pool = ProducerPool(self.cfg, self.queue, weights_dir=self.weights.dir,
                                      num=self.cfg.queue.num_producers,

@@ -178,13 +178,23 @@ def sglang_launch_plan(cfg: Config, *, gpu_memory_gib: float | None = None, voca
         deterministic_inference=r.deterministic_inference,
         context_length=cfg.data.max_prompt_length + cfg.data.max_response_length + SERVER_RESERVED_TOKENS,
         device=r.server_device or None, attention_backend=r.server_attention_backend or None,
-        max_total_tokens=max_total_tokens, extra_args=tuple(r.server_extra_args),
+        max_total_tokens=max_total_tokens, extra_args=tuple(r.server_extra_args) + (
+            ("--disable-radix-cache",) if inplace_pushes(cfg) and "--disable-radix-cache" not in r.server_extra_args
+            else ()),
         speculative_algorithm=spec.algorithm, speculative_num_steps=spec.num_steps,
         speculative_eagle_topk=spec.eagle_topk, speculative_num_draft_tokens=spec.num_draft_tokens,
         return_routed_experts=cfg.actor.router_replay == "r3")
         for i in range(n)]
     launcher = (r.sglang_python or sys.executable, "-m", "sglang.launch_server")
     return specs, launcher, dict(item.split("=", 1) for item in r.server_env) or None
+
+
+def inplace_pushes(cfg: Config) -> bool:
+    """Weight pushes into running generation (the queue trainer's async mode with queue.partial_rollout on
+    SGLang): the servers keep their cache across a push, so they run without a radix cache (a prompt prefix
+    cached under older weights would otherwise be reused by new requests)."""
+    q = cfg.queue
+    return q.enable and q.max_staleness > 0 and q.partial_rollout and cfg.rollout.engine == "sglang"
 
 
 def _launch_sglang(cfg: Config) -> list:
@@ -345,7 +355,7 @@ def _sglang_push(cfg: Config, parts):
         torch.distributed.broadcast_object_list(box, src=0, group=pgs.ctrl)
         pooled = box[0]
 
-    def push(version: int) -> dict[str, float]:
+    def push(version: int, *, flush_cache: bool = True) -> dict[str, float]:
         # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
         # fed again), the same list on every rank; AllServersDown on every rank when none answers.
         targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
@@ -356,7 +366,7 @@ def _sglang_push(cfg: Config, parts):
         if colocated:
             held = free_for_rollout(parts.actor.offload)
             engine.resume_memory(["weights"])
-        stats = sync.sync(version, targets)
+        stats = sync.sync(version, targets, flush_cache=flush_cache)
         if colocated:
             engine.resume_memory(["kv_cache"])
         engine.update_weights(None, policy_version=version)  # every rank records the version the servers hold

@@ -8,7 +8,7 @@ through the trainer's own launch path (`trainer.run.sglang_launch_plan` -> `buil
 fp32, so that their log-probs and greedy tokens can be compared with the fp32 actor's tightly.
 Server 0 runs with --context-length (data.max_prompt_length + data.max_response_length + 2, as the
 trainer launches) and decodes at most SERVER0_RUNNING sequences at once, server 1 without either (the
-model's 512 positions).
+model's 512 positions). Both run without a radix cache, as the queue trainer's in-place weight pushes need.
 
 A missing or broken SGLang venv fails these tests: they are never skipped.
 """
@@ -131,9 +131,11 @@ def real_servers(tiny_qwen2, tmp_path_factory):
         "trainer.n_gpus_per_node=2", f"rollout.server_base_port={free_port_pair()}", f"trainer.output_dir={log_dir}"])
     specs, launcher, env = sglang_launch_plan(cfg)
     assert len(specs) == 2 and specs[0].context_length == PROMPT_LEN + RESPONSE_LEN + 2
+    # No radix cache: the queue trainer's pushes into running generation keep the servers' cache.
     specs[0] = dataclasses.replace(specs[0], extra_args=(*specs[0].extra_args, "--max-running-requests",
-                                                         str(SERVER0_RUNNING)))
-    specs[1] = dataclasses.replace(specs[1], context_length=None)
+                                                         str(SERVER0_RUNNING), "--disable-radix-cache"))
+    specs[1] = dataclasses.replace(specs[1], context_length=None,
+                                   extra_args=(*specs[1].extra_args, "--disable-radix-cache"))
     t0 = time.monotonic()
     servers = launch_servers(specs, log_dir=log_dir, timeout_s=600, launcher=launcher, env=env)
     fixture = RealServers(model_dir, tokenizer_dir, servers, start_s=time.monotonic() - t0)

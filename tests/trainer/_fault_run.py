@@ -94,9 +94,10 @@ def main(argv: list[str]) -> int:
         if trainer.p.logger is not None:
             trainer.p.logger.close()
     summary = {"global_step": trainer.global_step, "loss_history": trainer.loss_history,
-               "model_sha256": model_sha256(trainer)}
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f)
+               "model_sha256": model_sha256(trainer)}  # this rank's part of the model under torchrun
+    if trainer.p.pgs.rank == 0:
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f)
     return 0
 
 

@@ -392,15 +392,16 @@ def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_und
 @pytest.mark.parametrize("extra,error", [
     (["queue.parameter_sync_step=2", "trainer.total_training_steps=3"],
      r"queue.parameter_sync_step: expected a divisor of trainer.total_training_steps \(3"),
-    (["trainer.n_gpus_per_node=2"], r"queue.enable: the queue trainer runs one training process, got .* = 2"),
-    (["rollout.engine=sglang", "model.hf_path=/nonexistent"],
-     r"queue.enable: the queue trainer generates with rollout.engine=local only, got 'sglang': its weight pushes do "
-     r"not reach SGLang servers"),
+    (["trainer.n_gpus_per_node=2"],
+     r"queue.enable: with rollout.engine=local the queue trainer runs one training process, got .* = 2"),
+    (["rollout.engine=sglang", "model.hf_path=/nonexistent", "queue.max_staleness=1"],
+     r"queue.max_staleness: expected 0 with rollout.mode=colocate, got 1: in async mode the servers generate"),
+    (["rollout.engine=sglang", "model.hf_path=/nonexistent", "actor.router_replay=r3"],
+     r"actor.router_replay: r3 is not supported by the queue trainer yet"),
     (["trainer.async_save=true"], r"trainer.async_save: the queue trainer saves synchronously"),
-], ids=["sync-step", "world", "sglang", "async-save"])
+], ids=["sync-step", "local-world", "sglang-async-colocated", "r3", "async-save"])
 def test_what_the_queue_trainer_does_not_run_is_refused_at_load_naming_the_key(tmp_path, extra, error):
-    """Refused by the configuration, before any model is built or server started (with SGLang the servers
-    would otherwise generate at weight version 0 while the actor moves on)."""
+    """Refused by the configuration, before any model is built or server started."""
     from megatron_dapo.config import ConfigError
 
     with pytest.raises(ConfigError, match=error):

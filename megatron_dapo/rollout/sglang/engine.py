@@ -251,6 +251,10 @@ class SGLangEngine(RolloutEngine):
             return info
         raise UnsupportedSGLangVersion(f"{url}: no /server_info nor /get_server_info ({last}); not an SGLang server?")
 
+    def server_arg(self, name: str) -> dict[str, Any]:
+        """Each server's launch setting `name` as its /server_info reports it (None where absent)."""
+        return {url: self._server_info(url).get(name) for url in self.urls}
+
     # ----------------------------------------------------------------------------- generation
 
     @property
@@ -420,8 +424,15 @@ class SGLangEngine(RolloutEngine):
             for (p, j), rid, item in zip(batch, rids, reply, strict=True)
         ]
 
-    @staticmethod
-    def _sample(prompt: PromptInput, j: int, parsed: ParsedOutput, version: int) -> Sample:
+    def _sample(self, prompt: PromptInput, j: int, parsed: ParsedOutput, version: int) -> Sample:
+        """`version`: this client's weight version when the request was queued. A release without
+        weight-version spans reports only the version at the end; a request queued before a push that
+        ended after it then counts from the version it was queued at (the oldest that may have made its
+        first tokens)."""
+        first = parsed.first_weight_version
+        if (first is None and not self.features.weight_version_spans and parsed.weight_version is not None
+                and version < parsed.weight_version):
+            first = version
         return Sample(
             prompt_id=prompt.prompt_id,
             sample_index=j,
@@ -432,6 +443,7 @@ class SGLangEngine(RolloutEngine):
             policy_version=version if parsed.weight_version is None else parsed.weight_version,
             meta=dict(parsed.meta),
             routed_experts=parsed.routed_experts,
+            first_policy_version=first,
         )
 
     def _post_generate(

@@ -215,6 +215,7 @@ class SGLangWeightSync:
         self._fanout_ranks: list[int] = []
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
         self._error: str | None = None  # this rank's first failure of the current collective step
+        self._flush = True  # the current sync flushes the servers' cache with its version (sync())
 
     # ------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -277,17 +278,22 @@ class SGLangWeightSync:
         self._open_groups()
 
     # ------------------------------------------------------------------------------------ one sync
-    def sync(self, version: int, targets: Sequence[str] | None = None) -> SyncStats:
+    def sync(self, version: int, targets: Sequence[str] | None = None, *, flush_cache: bool = True) -> SyncStats:
         """Every tensor of every stage to every server (or to `targets`, the URLs of the servers to feed,
         the same list on every rank), then the version; a collective of all ranks. With the distributed
         transport a change of targets re-forms the weight-update groups first (`_regroup`).
+
+        flush_cache=False keeps the servers' KV cache: for a sync into generation paused in place (the
+        running requests keep their cache and continue under the new weights; SGLang fails an update that
+        asks for a flush while requests run). The servers then need --disable-radix-cache, or new
+        requests would reuse prefixes cached under older weights.
 
         A failure on one rank (a server refusing a bucket, a dead server) never leaves the others
         waiting: that rank keeps taking part in its stage's gathers and fan-out without sending, and at
         the end of the stage every rank raises the same WeightSyncError naming the rank and the server."""
         t0 = time.perf_counter()
         stats, pgs = SyncStats(), self.pgs
-        self._error = None
+        self._error, self._flush = None, flush_cache
         if targets is not None:
             unknown = sorted(set(targets) - set(self.servers.urls))
             if unknown or not targets:
@@ -364,7 +370,8 @@ class SGLangWeightSync:
             yield bucket
 
     def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
-        body = sw.distributed_update_payload(tensors, group_name=self._group_name, flush_cache=version is not None,
+        body = sw.distributed_update_payload(tensors, group_name=self._group_name,
+                                             flush_cache=version is not None and self._flush,
                                              weight_version=None if version is None else str(version))
         if self.selector is not None:
             body["selector"] = self.selector
@@ -404,7 +411,8 @@ class SGLangWeightSync:
             flush = final and last_stage
             bodies = [sw.tensor_update_payload([sw.serialize_named_tensors(named)
                                                 for _ in range(self.servers.tp_sizes[i])],
-                                               flush_cache=flush, weight_version=str(version) if flush else None)
+                                               flush_cache=flush and self._flush,
+                                               weight_version=str(version) if flush else None)
                       for i in mine]
             if self.selector is not None:
                 bodies = [{**b, "selector": self.selector} for b in bodies]

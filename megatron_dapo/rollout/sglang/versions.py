@@ -110,6 +110,9 @@ class ReleaseFeatures:
     routed_experts: bool = False
     """/generate returns the MoE routing with `return_routed_experts` (servers launched with
     ROUTED_EXPERTS_FLAG): sglang/routing.py."""
+    weight_version_spans: bool = False
+    """meta_info.weight_versions: the output tokens each weight version produced, per request (a weight
+    update while it ran). Earlier releases report only the version at the end."""
 
 
 CHANGES: tuple[tuple[str, dict], ...] = (
@@ -119,6 +122,7 @@ CHANGES: tuple[tuple[str, dict], ...] = (
     ("0.5.11", {"spec_proposed_key": "spec_proposed_drafts", "spec_accepted_key": "spec_accepted_drafts"}),
     ("0.5.12", {"spec_proposed_key": "spec_num_proposed_drafts", "spec_accepted_key": "spec_num_correct_drafts"}),
     ("0.5.13", {"mtp_drafters": ("qwen3_moe",)}),
+    ("0.5.19", {"weight_version_spans": True}),
     ("0.5.21", {"weight_update_session": True, "update_selector": True, "drafter_via_distributed": True}),
 )
 """(release, the fields that change there): features_for folds every entry up to the version."""

@@ -1,0 +1,125 @@
+"""The queue trainer's async mode against the two real SGLang 0.5.23 servers of the session (conftest).
+
+Runs tests/trainer/_fault_run.py (4 steps, a checkpoint every 2, queue.max_staleness=1) with rollout
+producer threads on rank 0 sending claims to both servers while the actor trains, weight pushes into
+running generation (queue.partial_rollout: /pause_generation in place, the push without a cache flush,
+/continue_generation), and checks at every layout:
+- exactly once (tests/trainer/test_fault_injection.py): each issued prompt consumed once, each step
+  trains train_batch_size prompts, the dumps hold exactly the trained groups, no prompt issued twice;
+- versions: every row's versions are ones the trainer pushed, within max_staleness of the policy it
+  trains, and each server reports the last push's version;
+- the servers saw every push inside a pause: /pause_generation, the update session, /continue_generation.
+The kill cases SIGKILL the trainer at a stage and restart it against the same servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import sys
+
+import pytest
+import requests
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.sglang_real.conftest import ROOT, model_overrides
+from tests.trainer import test_fault_injection as fi
+
+STEPS = fi.STEPS
+
+
+def _overrides(real_servers, *more: str) -> list[str]:
+    return [*model_overrides(real_servers.model_dir, real_servers.tokenizer_dir), "rollout.engine=sglang",
+            "model.params_dtype=fp32", "rollout.require_memory_saver=false", "rollout.mode=disaggregate",
+            f"rollout.sglang_urls=[{','.join(real_servers.urls)}]", "queue.max_staleness=1",
+            "queue.partial_rollout=true", "queue.num_producers=2", "actor.entropy_coeff=0.01",
+            # the tiny random model scores 0 on every arithmetic prompt: no group would pass the filter
+            "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", *more]
+
+
+def _scalars(out: pathlib.Path) -> dict[str, dict[int, float]]:
+    acc = EventAccumulator(str(out / "f/tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+
+
+def _routes(server, mark: int) -> list[str]:
+    posts = re.findall(r'"POST (/[a-z_]+) HTTP', server.log_path.read_text(errors="replace")[mark:])
+    return [r for r in posts if r != "/generate"]
+
+
+def _check_run(out: pathlib.Path, real_servers, marks: list[int], *, resumed_at: int = 0) -> None:
+    """`marks`: where the servers' logs stood when the (last) run started at step resumed_at + 1."""
+    fi._check_exactly_once(out, sync=False)
+    s = _scalars(out)
+    assert sorted(s["staleness/lag_worst/max"]) == list(range(1, STEPS + 1))
+    assert max(s["staleness/lag_worst/max"].values()) <= 1.0  # stale_policy=drop: never more than 1 push old
+    for step, rows in ((st, [json.loads(x) for x in (out / f"dumps/step_{st}.jsonl").read_text().splitlines()])
+                       for st in range(1, STEPS + 1)):
+        # The newest weights of every row: pushed ones (0 .. step - 1), at most one push behind the actor
+        # (a row whose tokens began earlier is the lag_worst above).
+        assert {r["policy_version"] for r in rows} <= {step - 2, step - 1}, (step, rows)
+    for server, mark in zip(real_servers.servers, marks, strict=True):
+        info = requests.get(server.url + "/model_info", timeout=30).json()
+        assert info["weight_version"] == str(STEPS), server.url
+        control = _routes(server, mark)
+        # The start push (nothing generating yet: a plain session), then one paused push per step.
+        pushes = [i for i, r in enumerate(control) if r == "/update_weights_from_distributed"]
+        assert pushes, control
+        paused = " ".join(control[control.index("/pause_generation"):])
+        steps = STEPS - resumed_at
+        assert paused.count("/pause_generation") == steps and paused.count("/continue_generation") == steps, paused
+        # ... and at the end the producers' requests still running are aborted.
+        assert re.fullmatch(r"(/pause_generation /begin_weight_update( /update_weights_from_distributed)+ "
+                            r"/end_weight_update /continue_generation ?)+(/abort_request ?)*"
+                            r"(/destroy_weights_update_group)?", paused.strip()), paused
+
+
+def _marks(real_servers) -> list[int]:
+    return [len(s.log_path.read_text(errors="replace")) for s in real_servers.servers]
+
+
+def test_async_queue_trainer_pushes_into_running_generation_on_two_real_servers(real_servers, tmp_path):
+    marks = _marks(real_servers)
+    fi._ok(fi._launch(tmp_path, *_overrides(real_servers), timeout_s=900))
+    _check_run(tmp_path, real_servers, marks)
+    span = _scalars(tmp_path)["staleness/version_span/max"]
+    print(f"\nrows spanning two weight versions in steps {[k for k, v in span.items() if v > 1]}")
+
+
+@pytest.mark.parametrize("fault,last_good", [("producer_generation:3", 2), ("after_update_actor:3", 2),
+                                             ("checkpoint_write:4", 2)])
+def test_a_killed_async_trainer_resumes_against_the_same_servers_and_trains_each_prompt_once(
+        real_servers, tmp_path, fault, last_good):
+    """SIGKILL during generation (inside a producer thread), after an update, and while writing the last
+    checkpoint; the restart reconnects to the servers (which kept running, the dead trainer's requests
+    with them), pushes checkpoint c and recovers the queue."""
+    c = fi._crash(tmp_path, fault, *_overrides(real_servers))
+    assert c == last_good
+    marks = _marks(real_servers)
+    log = fi._restart(tmp_path, c, *_overrides(real_servers))
+    assert "async recovery:" in log
+    _check_run(tmp_path, real_servers, marks, resumed_at=c)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
+                                    ["parallel.pipeline_model_parallel_size=2"]], ids=["tp2xdp2", "pp2xdp2"])
+def test_four_process_async_queue_trainer_on_two_real_servers(real_servers, tmp_path, layout):
+    """torchrun, 4 processes (TP2 x DP2, PP2 x DP2): rank 0 holds the queue and the producers, every rank
+    trains each step and takes part in every push."""
+    import subprocess
+
+    marks = _marks(real_servers)
+    port = 29500 + (os.getpid() + 7 * len(layout[0])) % 400
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(fi.FAULT_RUN), str(tmp_path),
+           *_overrides(real_servers, "trainer.n_gpus_per_node=4", *layout)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    log = tmp_path / "launch.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1200).returncode
+    assert rc == 0, log.read_text()[-8000:]
+    _check_run(tmp_path, real_servers, marks)
