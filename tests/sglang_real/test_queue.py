@@ -50,31 +50,39 @@ def _routes(server, mark: int) -> list[str]:
     return [r for r in posts if r != "/generate"]
 
 
-def _check_run(out: pathlib.Path, real_servers, marks: list[int], *, resumed_at: int = 0) -> None:
-    """`marks`: where the servers' logs stood when the (last) run started at step resumed_at + 1."""
-    fi._check_exactly_once(out, sync=False)
+def _check_run(out: pathlib.Path, real_servers, marks: list[int], *, resumed_at: int = 0, mode: str = "inplace"
+               ) -> None:
+    """`marks`: where the servers' logs stood when the (last) run started at step resumed_at + 1. mode:
+    inplace (pushes inside a pause), drain (pushes after the producers' claims are written) or sync
+    (queue.max_staleness=0)."""
+    fi._check_exactly_once(out, sync=mode == "sync")
     s = _scalars(out)
-    assert sorted(s["staleness/lag_worst/max"]) == list(range(1, STEPS + 1))
-    assert max(s["staleness/lag_worst/max"].values()) <= 1.0  # stale_policy=drop: never more than 1 push old
+    lag, span = s["staleness/lag_worst/max"], s["staleness/version_span/max"]
+    assert sorted(lag) == list(range(1, STEPS + 1))
+    assert max(lag.values()) <= (0.0 if mode == "sync" else 1.0)  # stale_policy=drop: never more than 1 push old
+    if mode != "inplace":  # every row from one weight version
+        assert set(span.values()) == {1.0}, span
     for step, rows in ((st, [json.loads(x) for x in (out / f"dumps/step_{st}.jsonl").read_text().splitlines()])
                        for st in range(1, STEPS + 1)):
-        # The newest weights of every row: pushed ones (0 .. step - 1), at most one push behind the actor
-        # (a row whose tokens began earlier is the lag_worst above).
-        assert {r["policy_version"] for r in rows} <= {step - 2, step - 1}, (step, rows)
+        # The newest weights of every row: pushed ones, at most one push behind the actor (sync: none).
+        assert {r["policy_version"] for r in rows} <= ({step - 1} if mode == "sync" else {step - 2, step - 1}), step
+    push = r"/begin_weight_update( /update_weights_from_distributed)+ /end_weight_update"
+    start = rf"/init_weights_update_group {push}"  # a trainer's start: its weight-update group, the first push
     for server, mark in zip(real_servers.servers, marks, strict=True):
         info = requests.get(server.url + "/model_info", timeout=30).json()
         assert info["weight_version"] == str(STEPS), server.url
-        control = _routes(server, mark)
-        # The start push (nothing generating yet: a plain session), then one paused push per step.
-        pushes = [i for i, r in enumerate(control) if r == "/update_weights_from_distributed"]
-        assert pushes, control
-        paused = " ".join(control[control.index("/pause_generation"):])
+        control = " ".join(_routes(server, mark))
         steps = STEPS - resumed_at
-        assert paused.count("/pause_generation") == steps and paused.count("/continue_generation") == steps, paused
-        # ... and at the end the producers' requests still running are aborted.
-        assert re.fullmatch(r"(/pause_generation /begin_weight_update( /update_weights_from_distributed)+ "
-                            r"/end_weight_update /continue_generation ?)+(/abort_request ?)*"
-                            r"(/destroy_weights_update_group)?", paused.strip()), paused
+        if mode == "inplace":  # the start push (nothing generating yet), then one paused push per step, and
+            # at the end the producers' requests still running are aborted
+            assert re.fullmatch(rf"{start} (/pause_generation {push} /continue_generation ?){{{steps}}}"
+                                r"(/abort_request ?)*", control), control
+        elif mode == "drain":
+            assert re.fullmatch(rf"{start}( {push}){{{steps}}}( /abort_request)*", control), control
+        else:  # colocated: the servers' memory released after generation, taken back around each push
+            resume = "/resume_memory_occupation"
+            assert re.fullmatch(rf"{start}( /release_memory_occupation {resume} {push} {resume}){{{steps}}}",
+                                control), control
 
 
 def _marks(real_servers) -> list[int]:
@@ -87,6 +95,16 @@ def test_async_queue_trainer_pushes_into_running_generation_on_two_real_servers(
     _check_run(tmp_path, real_servers, marks)
     span = _scalars(tmp_path)["staleness/version_span/max"]
     print(f"\nrows spanning two weight versions in steps {[k for k, v in span.items() if v > 1]}")
+
+
+@pytest.mark.parametrize("mode", ["drain", "sync"])
+def test_queue_trainer_without_in_place_pushes_on_two_real_servers(real_servers, tmp_path, mode):
+    """drain: queue.partial_rollout=false, each push waits for the running claims (every row from one
+    version). sync: queue.max_staleness=0 with colocated servers (memory released for the update)."""
+    more = ["queue.partial_rollout=false"] if mode == "drain" else ["queue.max_staleness=0", "rollout.mode=colocate"]
+    marks = _marks(real_servers)
+    fi._ok(fi._launch(tmp_path, *_overrides(real_servers, *more), timeout_s=900))
+    _check_run(tmp_path, real_servers, marks, mode=mode)
 
 
 @pytest.mark.parametrize("fault,last_good", [("producer_generation:3", 2), ("after_update_actor:3", 2),
