@@ -49,6 +49,25 @@ def test_a_refused_connection_takes_a_server_down_at_once_and_a_failed_check_onl
     assert pool.take_counts()["failures"] == 0  # counts are per call
 
 
+def test_while_generation_is_paused_failed_checks_do_not_count_but_a_refused_connection_does():
+    """A paused server cannot answer /health (SGLang generates a token for it): a push into paused
+    generation that outlasts three checks must not take the servers down."""
+    script = Script()
+    pool = _pool(script)
+    pool.paused = True
+    script.replies[A] = Probe(False, error="HTTP 503")
+    for _ in range(5):
+        pool.poll_once()
+    assert pool.state[A] == "up"
+    script.replies[B] = Probe(False, error="ConnectionError: refused", refused=True)
+    pool.poll_once()
+    assert pool.state == {A: "up", B: "down"}
+    pool.paused = False
+    for _ in range(3):
+        pool.poll_once()
+    assert pool.state[A] == "down"  # the count starts when the pause ends
+
+
 def test_a_server_back_with_the_current_weights_is_readmitted_one_with_others_waits_for_the_sync():
     script = Script()
     pool = _pool(script, version=3)

@@ -606,11 +606,15 @@ class SGLangEngine(RolloutEngine):
         them with their partial output."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self.pool is not None:  # a paused server fails /health (it generates a token): not a fault
+            self.pool.paused = True
         self._post_all("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         """Resume decoding on every server after `pause_generation`."""
         self._post_all("/continue_generation", {})
+        if self.pool is not None:
+            self.pool.paused = False
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free weights and KV cache (tags: None = all; or ["weights"], ["kv_cache"]). Needs --enable-memory-saver."""

@@ -93,6 +93,9 @@ class ServerPool:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.paused = False
+        """Generation is paused on the servers (SGLangEngine.pause_generation): /health, which generates a
+        token, cannot answer then; failed checks of up servers do not count (a refused connection still does)."""
 
     # ------------------------------------------------------------------------------------ queries
     def is_up(self, url: str) -> bool:
@@ -234,6 +237,8 @@ class ServerPool:
         if state == UP:
             if p.answers:
                 self._misses[url] = 0
+                return
+            if self.paused and not p.refused:
                 return
             self._misses[url] += 1
             if p.refused or self._misses[url] >= self.fail_after:
