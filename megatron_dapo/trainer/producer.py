@@ -165,8 +165,8 @@ class Producer:
             meta = self.queue.claim(self.partition, max_prompts)
             if len(meta):
                 self.queue.put_fields(self.partition, meta.keys, {"claim": [token] * len(meta)})
-        if not len(meta):
-            return 0
+        if not len(meta) or (self.stop is not None and self.stop.is_set()):
+            return 0  # a claim made as the producer stops stays running: reissued at the next start
         fields = self.queue.get(self.partition, meta.keys, ["prompts", "seed"])
         groups = self.generate(list(meta.keys), fields["prompts"], fields["seed"])
         faults.maybe_crash(self.fault_point, max(int(t["global_steps"]) for t in meta.tags))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from megatron_dapo.queue import TransferQueue
 from megatron_dapo.rollout.base import RolloutEngineError, SamplingParams
@@ -63,20 +64,21 @@ class ServerProducers:
                     if self._stop.is_set():
                         return
                     self._busy += 1
+                written, failed = 0, None
                 try:
                     written = producer.run_once(self.claim_size)
-                finally:
-                    with self._cond:
-                        self._busy -= 1
-                        self._cond.notify_all()
+                except BaseException as e:  # noqa: BLE001 - kept for the trainer (check), which raises it
+                    failed = e
+                with self._cond:  # the error is on record before a drain can see this claim end
+                    if failed is not None and not self._stop.is_set():
+                        log.error("producer thread %d failed: %s: %s", i, type(failed).__name__, failed)
+                        self._errors.append((i, failed))
+                    self._busy -= 1
+                    self._cond.notify_all()
+                if failed is not None:
+                    return
                 if written == 0:
                     self._stop.wait(self.poll_s)
-        except BaseException as e:  # noqa: BLE001 - kept for the trainer (check), which raises it
-            if not self._stop.is_set():
-                log.exception("producer thread %d failed", i)
-                with self._cond:
-                    self._errors.append((i, e))
-                    self._cond.notify_all()
         finally:
             queue.close()
 
@@ -100,17 +102,23 @@ class ServerProducers:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the threads; generation still running is aborted on the servers (its claims stay running
-        and are reissued by the next start's recovery)."""
+        and are reissued by the next start's recovery). The abort is repeated while a thread is still in a
+        call: one that was just being sent when the first abort went out would otherwise run to its end."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if any(t.is_alive() for t in self._threads):
+            busy = self._busy > 0
+        deadline = time.monotonic() + timeout_s
+        while busy and time.monotonic() < deadline:
             try:
                 self.engine.abort()
             except Exception as e:  # noqa: BLE001 - closing: the servers may be gone already
                 log.warning("aborting the producers' requests failed: %s", e)
+                break
+            with self._cond:
+                busy = not self._cond.wait_for(lambda: self._busy == 0, timeout=0.5)
         for t in self._threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 log.warning("producer thread %s did not stop within %.0f s", t.name, timeout_s)
         self._threads = []

@@ -1,5 +1,7 @@
 """The rollout contract: parameter validation, Sample checks, seeds, ordering, batch padding."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,6 +91,26 @@ def test_sample_rejects_length_mismatch_bad_logprob_and_finish_reason():
         _sample(j=-1)
     s = _sample(resp=[5, 6], logps=[-0.5, -1])
     assert s.response_token_ids == (5, 6) and s.rollout_log_probs == (-0.5, -1.0)
+
+
+def test_min_policy_version_is_the_first_tokens_version_when_the_weights_changed_mid_sample():
+    """first_policy_version (the weights of the first token, set only when they differ) is what
+    min_policy_version reports; without it every token came from policy_version."""
+    whole = _sample(version=3)
+    assert (whole.first_policy_version, whole.min_policy_version) == (None, 3)
+    spanning = dataclasses.replace(whole, first_policy_version=1)
+    assert (spanning.policy_version, spanning.min_policy_version) == (3, 1)
+    assert dataclasses.replace(whole, first_policy_version=0).min_policy_version == 0  # 0 is a version, not "unset"
+
+
+def test_first_policy_version_newer_than_policy_version_or_negative_is_refused_naming_the_sample():
+    with pytest.raises(ValueError, match=r"Sample\(prompt_id='p0', sample_index=0\): first_policy_version 4 is "
+                                         r"newer than policy_version 3"):
+        dataclasses.replace(_sample(version=3), first_policy_version=4)
+    with pytest.raises(ValueError, match="first_policy_version"):
+        dataclasses.replace(_sample(version=3), first_policy_version=-1)
+    with pytest.raises(ValueError, match="first_policy_version"):
+        dataclasses.replace(_sample(version=3), first_policy_version="2")
 
 
 def test_derive_sample_seed_is_stable_distinct_and_31_bit():

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from megatron_dapo.rollout.base import PromptInput, SamplingParams, check_generate_output, derive_sample_seed
 from megatron_dapo.rollout.sglang.engine import (
@@ -15,6 +16,7 @@ from megatron_dapo.rollout.sglang.engine import (
     SGLangEngine,
     parse_generate_output,
 )
+from megatron_dapo.rollout.sglang.payloads import first_span_version
 from tests.standin import StandinServer, toy_continuation
 
 PROMPTS = [PromptInput("p0", (3, 1, 4)), PromptInput("p1", (1, 5, 9, 2))]
@@ -288,6 +290,104 @@ def test_parse_generate_output_checks_each_field():
     spec = (("spec_verify_ct", "spec_verify_ct"),)
     with pytest.raises(EngineReplyError, match=r"meta_info\.spec_verify_ct must be an int >= 0, got -1"):
         parse_generate_output(_item([4], spec_verify_ct=-1), request="R", max_new_tokens=4, spec=spec)
+
+
+def _spans(*versions):
+    """meta_info.weight_versions as SGLang sends it: contiguous spans over the output tokens, oldest first
+    (two tokens each here)."""
+    return [{"version": v, "start": 2 * i, "end": 2 * i + 2} for i, v in enumerate(versions)]
+
+
+@pytest.mark.parametrize("reported, spans, first", [
+    ("3", _spans("2", "3"), 2),  # a push mid-request: the first tokens came from version 2
+    ("3", _spans("1", "2", "3"), 1),  # two pushes: the oldest span counts
+    ("3", _spans("3"), None),  # one version made every token
+    ("3", _spans("3", "3"), None),  # the first span is the reported version: nothing older
+    ("3", _spans("default", "3"), None),  # the server's launch weights: no version the trainer set
+    ("default", _spans("2", "3"), None),  # no reported trainer version to compare with
+    ("3", None, None),  # a release without spans
+])
+def test_first_weight_version_is_the_first_span_only_when_it_differs_from_the_reported_one(reported, spans, first):
+    meta = {"weight_version": reported} if spans is None else {"weight_version": reported, "weight_versions": spans}
+    parsed = parse_generate_output(_item([4, 5, 6, 7], **meta), request="R", max_new_tokens=4)
+    assert parsed.weight_version == (None if reported == "default" else int(reported))
+    assert parsed.first_weight_version == first
+
+
+@pytest.mark.parametrize("spans", [
+    {"version": "2", "start": 0, "end": 2},  # one span, not a list of them
+    [],
+    [{"start": 0, "end": 2}],
+    [{"version": "2", "start": 0, "end": 2}, {"start": 2, "end": 4}],  # a later span without its version
+    ["2", "3"],
+])
+def test_malformed_weight_version_spans_raise_naming_the_request_and_field(spans):
+    item = _item([4, 5, 6, 7], weight_version="3", weight_versions=spans)
+    with pytest.raises(EngineReplyError, match=r"^R: meta_info\.weight_versions must be a non-empty list of "
+                                               r"objects with a version, got "):
+        parse_generate_output(item, request="R", max_new_tokens=4)
+
+
+def test_spans_starting_newer_than_the_reported_version_are_a_bad_reply_naming_both():
+    item = _item([4, 5, 6, 7], weight_version="3", weight_versions=_spans("5", "3"))
+    with pytest.raises(EngineReplyError, match=r"^R: meta_info\.weight_versions starts at version 5, newer than "
+                                               r"meta_info\.weight_version 3$"):
+        parse_generate_output(item, request="R", max_new_tokens=4)
+
+
+def test_first_span_version_reads_only_versions_the_trainer_set():
+    assert first_span_version(None, request="R") is None
+    assert first_span_version(_spans("7", "9"), request="R") == 7
+    assert first_span_version(_spans("v7", "9"), request="R") is None
+
+
+def test_without_spans_a_reply_newer_than_the_queued_version_starts_at_the_queued_version(tmp_path):
+    """0.5.12 reports only the version at the end of a request: one queued at client version 0 and
+    answered under 1 (a push the client has not counted yet) may hold tokens of 0, so it counts from 0."""
+    with StandinServer(toy=True, emulate_version="0.5.12", args=SEEDED, log_dir=tmp_path) as s, \
+            _engine(s.url, policy_version=0) as eng:
+        assert not eng.features.weight_version_spans
+        sp = SamplingParams(max_new_tokens=3, seed=4)
+        launch = eng.generate(PROMPTS[:1], sp)[0]  # the server still reports its launch weights, "default"
+        assert (launch.policy_version, launch.first_policy_version, launch.min_policy_version) == (0, None, 0)
+        r = requests.post(s.url + "/update_weights_from_disk", json={"model_path": "toy", "weight_version": "1"},
+                          timeout=30)
+        assert r.status_code == 200, r.text
+        pushed = eng.generate(PROMPTS[:1], sp)[0]  # queued at 0, answered under 1
+        assert (pushed.policy_version, pushed.first_policy_version, pushed.min_policy_version) == (1, 0, 0)
+        eng.update_weights(model_path="toy", policy_version=1)  # the client counts the push now
+        after = eng.generate(PROMPTS[:1], sp)[0]
+        assert (after.policy_version, after.first_policy_version, after.min_policy_version) == (1, None, 1)
+        assert launch.response_token_ids == pushed.response_token_ids == tuple(_expected(PROMPTS[0], 0, 4, 3)[0])
+
+
+def test_with_spans_the_first_span_not_the_queued_version_gives_the_first_tokens_version(server):
+    """0.5.23 sends meta_info.weight_versions; the stand-in does not emulate them (it reports only
+    weight_version), so the engine's _sample is fed parsed replies directly: the span decides, and a
+    reply without spans on such a release means one version made every token."""
+    with _engine(server.url, policy_version=0) as eng:
+        assert eng.features.weight_version_spans
+
+        def sample(**meta):
+            parsed = parse_generate_output(_item([4, 5, 6, 7], **meta), request="R", max_new_tokens=4)
+            return eng._sample(PROMPTS[0], 0, parsed, 0)  # queued at client version 0
+
+        spanning = sample(weight_version="2", weight_versions=_spans("1", "2"))
+        assert (spanning.policy_version, spanning.first_policy_version, spanning.min_policy_version) == (2, 1, 1)
+        one = sample(weight_version="2", weight_versions=_spans("2"))
+        assert (one.policy_version, one.first_policy_version) == (2, None)
+        assert sample(weight_version="2").first_policy_version is None  # not the queued 0: spans are trusted
+
+
+def test_without_spans_the_queued_version_is_used_only_when_older_than_the_reported_one(tmp_path):
+    with StandinServer(toy=True, emulate_version="0.5.12", log_dir=tmp_path) as s, _engine(s.url) as eng:
+        def sample(reported, queued):
+            parsed = parse_generate_output(_item([4, 5], weight_version=reported), request="R", max_new_tokens=4)
+            return eng._sample(PROMPTS[0], 0, parsed, queued)
+
+        assert (sample("3", 1).policy_version, sample("3", 1).first_policy_version) == (3, 1)
+        assert (sample("3", 3).policy_version, sample("3", 3).first_policy_version) == (3, None)
+        assert (sample("default", 2).policy_version, sample("default", 2).first_policy_version) == (2, None)
 
 
 def test_generate_validates_its_inputs(server):

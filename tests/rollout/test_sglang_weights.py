@@ -223,3 +223,37 @@ def test_servers_that_answer_but_never_join_fail_the_group_fast_and_the_sender_e
         assert time.monotonic() - start < 300  # far below the 600 s timeout (no tighter bound: slow CI machines)
     finally:
         proc.kill()
+
+
+def test_a_sync_into_paused_generation_keeps_the_cache_but_still_sets_the_version(tmp_path):
+    """SGLangWeightSync.sync(v, flush_cache=False), the push into generation paused in place (SGLang fails
+    a flush while requests run): its last body asks for no flush and carries str(v); the default flushes.
+    A tiny model over a weight-update group (gloo) to the stand-in, inside a 0.5.23 weight-update session."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.models.builder import build_gpt_model
+    from megatron_dapo.parallel import init_parallel
+    from megatron_dapo.rollout.sglang.sync import ServerSet, SGLangWeightSync
+    from megatron_dapo.trainer.run import _session_hook
+    from megatron_dapo.workers.model_arch import model_arch
+
+    pgs = init_parallel()
+    arch = model_arch(load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")), vocab_size=16)
+    model = build_gpt_model(arch, pgs=pgs, seed=0)
+    with StandinServer(toy=True, log_dir=tmp_path) as s, SGLangEngine([s.url]) as eng:
+        sync = SGLangWeightSync(ServerSet(urls=(s.url,), tp_sizes=(1,), nodes=(0,)), pgs=pgs, chunks=[model],
+                                arch=arch, transport="distributed", bucket_bytes=1 << 30, host="127.0.0.1",
+                                session=_session_hook(eng))
+        sync.setup()
+        try:
+            sync.sync(1)
+            assert s.stats()["weight_version"] == "1"
+            sync.sync(2, flush_cache=False)
+            assert s.stats()["weight_version"] == "2"
+        finally:
+            sync.close()
+        bodies = s.requests("/update_weights_from_distributed")
+        # per sync: one bucket of every tensor (the bucket holds the whole model), then the empty final body
+        assert [bool(b["names"]) for b in bodies] == [True, False, True, False]
+        assert [(b["flush_cache"], b["weight_version"]) for b in bodies] == [
+            (False, None), (True, "1"), (False, None), (False, "2")]
+        assert s.ignored_fields() == {}

@@ -3,6 +3,8 @@ lost node or an OOM kill ends it) while step KILL_STEP's generation has requests
 
     torchrun --nproc_per_node 2 tests/sglang_real/_server_death.py OUT MODE key=value ...
 
+With queue.enable=true the queue trainer runs instead (the probe follows each paused push).
+
 MODE "restart": the trainer launched two servers and restarts the one that died; before the sync of
 version REJOIN_VERSION rank 0 waits until the restarted server answers /health (a restart takes ~40 s on
 these CPUs, several steps), so that sync must re-form the weight-update group with it and bring it back.
@@ -82,7 +84,7 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
         engine._acquire_url = recorded_acquire
     push = trainer.sync_weights
 
-    def checked_push(version):
+    def rejoin_wait(version):
         if pgs.rank == 0 and mode == "restart" and version == REJOIN_VERSION:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
@@ -92,7 +94,8 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
                 except requests.RequestException:
                     pass
                 time.sleep(0.5)
-        metrics = push(version)
+
+    def probe(version, metrics):
         tensors = actor_export(trainer)
         if pgs.rank == 0:
             want = export_logprobs(cfg.model.hf_path, tensors)
@@ -102,9 +105,24 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
                 entry["servers"][url] = {"weight_version": reported,
                                          "max_abs_diff": max(abs(a - b) for a, b in zip(got, want, strict=True))}
             report.append(entry)
+
+    def checked_push(version, **kw):
+        rejoin_wait(version)
+        metrics = push(version, **kw)
+        if not cfg.queue.enable or version == 0:  # the queue trainer's pushes run inside a pause: probed after
+            probe(version, metrics)
         return metrics
 
     trainer.sync_weights = checked_push
+    if cfg.queue.enable:  # the push with the pause around it (queue_trainer._sync_weights)
+        sync_paused = trainer._sync_weights
+
+        def probed_sync():
+            metrics = sync_paused()
+            probe(trainer.global_step, metrics)
+            return metrics
+
+        trainer._sync_weights = probed_sync
     try:
         fit_and_report(trainer, out, report=report, used=used)
     except Exception as e:

@@ -106,6 +106,39 @@ def test_a_killed_server_s_requests_go_to_the_survivor_and_it_comes_back_restart
 
 
 @pytest.mark.multiproc
+def test_the_async_queue_trainer_loses_no_row_when_a_server_dies_mid_generation(tiny_qwen2, tmp_path):
+    """The queue trainer's producers on 2 processes (DP 2, queue.max_staleness=1, pushes into paused
+    generation): the killed server's requests are re-sent to the survivor by the engine, it is restarted
+    and rejoins with the actor's weights; every step trains on whole groups, none twice or aborted, each
+    row from a pushed version at most one behind."""
+    rc, _ = _torchrun(tmp_path, "restart", *_overrides(tiny_qwen2, tmp_path, f"rollout.server_base_port={free_port_pair()}",
+                                                       "queue.enable=true", "queue.max_staleness=1",
+                                                       "queue.partial_rollout=true", "queue.num_producers=2"))
+    log = (tmp_path / "launch.log").read_text(errors="replace")
+    assert rc == 0, log[-8000:]
+    events = json.loads((tmp_path / "events.json").read_text())
+    victim, pool = events["killed_url"], events["pool"]
+    kinds = [(e["kind"], e["url"]) for e in pool]
+    assert kinds[:3] == [("down", victim), ("restart", victim), ("reissue", victim)], kinds
+    assert ("readmitted", victim) in kinds and all(u == victim for _, u in kinds)
+    seen = set()
+    for step in range(1, STEPS + 1):
+        rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        keys = {(r["group"], r["sample_index"]) for r in rows}
+        assert len(rows) == 32 and len(keys) == 32 and not keys & seen, step
+        seen |= keys
+        assert {r["finish_reason"] for r in rows} <= {"stop", "length"}, step
+        assert {r["policy_version"] for r in rows} <= {step - 2, step - 1}, step
+    report = {e["version"]: e for e in json.loads((tmp_path / "report.json").read_text())}
+    survivor = next(u for u in report[0]["states"] if u != victim)
+    assert report[4]["states"] == {survivor: "up", victim: "up"}, report[4]
+    for url in (survivor, victim):  # the restarted server holds the actor's last weights too
+        got = report[4]["servers"][url]
+        assert got["weight_version"] == "4" and got["max_abs_diff"] < PROBE_DIFF_TOL, (url, got)
+    assert _processes_in(tmp_path / "tiny_cpu/sglang") == []
+
+
+@pytest.mark.multiproc
 def test_the_only_server_dying_stops_every_rank_with_all_servers_down_and_keeps_the_last_checkpoint(
         tiny_qwen2, tmp_path):
     from megatron_dapo.config import load_config

@@ -70,7 +70,7 @@ class ParsedOutput:
     routed_experts: Any = None
     """[L, P + R - 1, K] expert ids (sglang.routing) when asked for; None otherwise or for an abort without them."""
     first_weight_version: int | None = None
-    """The version of the first of meta_info.weight_versions (0.5.23: the spans of output tokens each weight
+    """The version of the first of meta_info.weight_versions (0.5.19+: the spans of output tokens each weight
     version produced) when the weights changed during the request; None when one version made every token."""
 
 
@@ -192,6 +192,9 @@ def parse_generate_output(
     wv = meta.get("weight_version")
     version = int(wv) if isinstance(wv, str) and wv.isdigit() else None
     first = first_span_version(meta.get("weight_versions"), request=request)
+    if first is not None and version is not None and first > version:
+        raise EngineReplyError(f"{request}: meta_info.weight_versions starts at version {first}, newer than "
+                               f"meta_info.weight_version {version}")
     routed = None if routing is None else parse_routing(meta, request=request, layout=routing, finish=finish,
                                                         num_tokens=routed_tokens(prompt_len, len(tokens)))
     return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec),
@@ -205,8 +208,8 @@ def first_span_version(spans: Any, *, request: str) -> int | None:
     if spans is None:
         return None
     if not isinstance(spans, list) or not spans or not all(isinstance(s, dict) and "version" in s for s in spans):
-        raise EngineReplyError(f"{request}: meta_info.weight_versions must be a non-empty list of "
-                               f"{{version, start, end}} objects, got {spans!r}")
+        raise EngineReplyError(f"{request}: meta_info.weight_versions must be a non-empty list of objects "
+                               f"with a version, got {spans!r}")
     v = spans[0]["version"]
     return int(v) if isinstance(v, str) and v.isdigit() else None
 
