@@ -636,13 +636,13 @@ class QueueConfig:
     parameter_sync_step: int = 1
     """Local actor updates (`_step_once` calls) between weight syncs to the engines."""
     max_staleness: int = 0
-    """How many policy versions producers may run ahead of the trainer (0 = on-policy)."""
+    """How many weight pushes old a sample may be when trained (0 = on-policy: sync mode); producers are paced to stay within it. With rollout.engine=sglang, >= 1 needs rollout.mode=disaggregate."""
     stale_policy: Literal["drop", "correct"] = "drop"
     """Samples older than max_staleness: drop (and regenerate their prompts) or keep them with rollout correction."""
     partial_rollout: bool = False
-    """Abort in-flight generation at a weight sync and continue it with the new weights."""
+    """Async mode: generation running at a weight push continues under the new weights instead of finishing first. SGLang: paused in place around the push (servers without radix cache); local engine: aborted and continued from the prefix."""
     num_producers: int = 1
-    """Rollout producer workers writing into the queue."""
+    """Rollout producers writing into the queue: threads on rank 0, each keeping one claim in flight at the SGLang servers, or processes with a local engine each."""
 
     def __post_init__(self):
         _check(self.parameter_sync_step >= 1, "queue.parameter_sync_step", ">= 1", self.parameter_sync_step)

@@ -23,6 +23,8 @@ Named points (`step` is the trainer step the work belongs to):
                           tests/trainer/_fault_run.py around the optimizer)
     after_update_actor    the update finished; the step is not committed / checkpointed yet
     after_commit          queue trainer: the step's prompts are consumed, before the checkpoint
+    weight_sync           queue trainer, async mode on SGLang: generation paused (or drained) for the
+                          push of version `step`, nothing pushed yet
     checkpoint_write      inside save_checkpoint: the model shards are written into
                           tmp_global_step_<k>, the rename to global_step_<k> has not happened
                           (trainer.async_save: when the save is completed, after its writer ended)
@@ -41,7 +43,7 @@ SIGNAL_ENV = "MEGATRON_DAPO_FAULT_SIGNAL"
 RANK_ENV = "MEGATRON_DAPO_FAULT_RANK"
 
 POINTS = ("generation", "producer_generation", "after_reward", "after_old_log_prob", "update_actor",
-          "after_update_actor", "after_commit", "checkpoint_write", "background_write")
+          "after_update_actor", "after_commit", "weight_sync", "checkpoint_write", "background_write")
 
 
 def parse_spec(text: str) -> set[tuple[str, int]]:

@@ -161,7 +161,8 @@ class DAPOTrainer:
                 memory.reclaim_for_training(self.p.actor.offload)  # the optimizer back (actor.offload_optimizer)
             if batch is not None:
                 metrics.update(self._train_on(batch, step, timer))
-            metrics.update(self.sync_weights(step) or {})  # rollout.speculative.auto reports here
+            with timer("weight_sync"):
+                metrics.update(self.sync_weights(step) or {})  # rollout.speculative.auto reports here
             self.global_step = step
             timings = {**timer.timings_s, "step": time.perf_counter() - t0}
             if batch is not None:
@@ -369,7 +370,9 @@ class DAPOTrainer:
         if self.p.logger is not None:
             self.p.logger.log(metrics, step=step)
 
-    def _dump(self, batch, step: int) -> None:
+    def _dump(self, batch, step: int, *, min_versions: torch.Tensor | None = None) -> None:
+        """The step's trained rows as trainer.rollout_data_dir/step_<k>.jsonl (rank 0). min_versions [B]: the
+        oldest weights that made a token of each row, when the rows may span versions (the queue trainer)."""
         out_dir = self.cfg.trainer.rollout_data_dir
         if not out_dir or not self.is_rank0:
             return
@@ -383,7 +386,8 @@ class DAPOTrainer:
                     "response": batch.response_text[i], "ground_truth": batch.ground_truth[i],
                     "score": float(batch.scores[i]), "reward": float(batch.rewards[i]),
                     "acc": bool(batch.extra["acc"][i]), "finish_reason": rb.finish_reason[i],
-                    "policy_version": int(rb.policy_version[i])}) + "\n")
+                    "policy_version": int(rb.policy_version[i]),
+                    **({} if min_versions is None else {"min_policy_version": int(min_versions[i])})}) + "\n")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:

@@ -141,6 +141,7 @@ class QueueTrainer(DAPOTrainer):
             WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
         self.pool: ProducerPool | None = None  # local engine: producer processes
         self.producers: ServerProducers | None = None  # SGLang: producer threads on rank 0
+        self._min_versions: torch.Tensor | None = None  # [B] of the last local update's rows (dumps)
         if self.inplace:
             self._rank0(self._check_no_radix_cache)
 
@@ -201,11 +202,11 @@ class QueueTrainer(DAPOTrainer):
             batch, metrics = self._step_once(step, timer, first=j == 0, last=j == self.P - 1)
             self.global_step = step
             if j == self.P - 1:
-                metrics.update(self._sync_weights())
+                metrics.update(self._sync_weights(timer))
             timings = {**timer.timings_s, "step": time.perf_counter() - t0}
             if batch is not None:
                 metrics.update(self._perf_metrics(batch, timings))
-                self._dump(batch, step)
+                self._dump(batch, step, min_versions=self._min_versions)
             last = j == self.P - 1 and self._done()
             if j == self.P - 1 and self._val_enabled() and (last or _crossed(first_step, step, cfg.trainer.test_freq)):
                 metrics.update(self._validate())
@@ -229,6 +230,7 @@ class QueueTrainer(DAPOTrainer):
         if self.colocated_servers and first:  # sync mode (async refuses colocation): the servers' memory for the actor
             self.p.engine.release_memory()
             memory.reclaim_for_training(self.p.actor.offload)
+        self._min_versions = min_versions
         if keys:
             # balance: the actor deals the rows over data-parallel ranks by token count (dp_shard_rows)
             batch = dataclasses.replace(batch, rollout=to_dense(batch.rollout))
@@ -482,22 +484,27 @@ class QueueTrainer(DAPOTrainer):
                     self._seen.difference_update(keys)
         self._filtered = []
 
-    def _sync_weights(self) -> dict[str, float]:
-        """The actor's weights to the engines as version global_step; returns the push's metrics."""
+    def _sync_weights(self, timer) -> dict[str, float]:
+        """The actor's weights to the engines as version global_step (timed as weight_sync); returns the
+        push's metrics."""
         version = self.policy_version = self.global_step
         if not self.on_servers:
-            self.p.engine.update_weights(None, policy_version=version)  # colocated: shares the weights
-            if self.weights is not None:
-                self.weights.publish(version, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
+            with timer("weight_sync"):
+                self.p.engine.update_weights(None, policy_version=version)  # colocated: shares the weights
+                if self.weights is not None:
+                    self.weights.publish(version, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
             return {}
         if self.sync_mode:  # nothing is generating: the sync trainer's push
-            return self.sync_weights(version) or {}
+            with timer("weight_sync"):
+                return self.sync_weights(version) or {}
         # Async: generation paused in place (the cache the running requests hold is kept: not flushed) or
         # drained; every rank takes part in the push, and generation goes on whatever happened to it.
         t0 = time.perf_counter()
         self._rank0(lambda: self.driven.pause_generation("in_place") if self.inplace else self.producers.drain())
+        faults.maybe_crash("weight_sync", version)
         try:
-            out = self.sync_weights(version, flush_cache=not self.inplace) or {}
+            with timer("weight_sync"):
+                out = self.sync_weights(version, flush_cache=not self.inplace) or {}
         finally:
             self._rank0(lambda: self.driven.continue_generation() if self.inplace else self.producers.resume())
         return {**out, "timing_s/weight_sync_paused": time.perf_counter() - t0}
@@ -518,9 +525,18 @@ class QueueTrainer(DAPOTrainer):
         if self.cfg.trainer.resume_mode == "disable" and self.is_rank0:
             for part in set(self.queue.partitions()) & {TRAIN, STATE}:
                 self.queue.drop_partition(part)
+        if self.on_servers:
+            self._rank0(self._free_servers)
         super()._resume()
         self.policy_version = self.global_step
         self._rank0(self._recover_queue)
+
+    def _free_servers(self) -> None:
+        """Before the first push: a trainer killed during a push left the servers paused, holding its
+        requests (a push that flushes the cache would fail, new requests would wait forever), and one killed
+        during generation left its requests running. Both are of no use: resume the servers, abort them."""
+        self.driven.continue_generation()
+        self.driven.abort()
 
     def _recover_queue(self) -> None:
         """Rank 0: the queue made to agree with checkpoint c = global_step, then the producers started."""

@@ -67,7 +67,9 @@ def _check_run(out: pathlib.Path, real_servers, marks: list[int], *, resumed_at:
         # The newest weights of every row: pushed ones, at most one push behind the actor (sync: none).
         assert {r["policy_version"] for r in rows} <= ({step - 1} if mode == "sync" else {step - 2, step - 1}), step
     push = r"/begin_weight_update( /update_weights_from_distributed)+ /end_weight_update"
-    start = rf"/init_weights_update_group {push}"  # a trainer's start: its weight-update group, the first push
+    # A trainer's start: its weight-update groups (one per pipeline stage), the servers resumed and emptied
+    # (a killed trainer may have left them paused or generating), the first push.
+    start = rf"(/init_weights_update_group )+/continue_generation /abort_request {push}"
     for server, mark in zip(real_servers.servers, marks, strict=True):
         info = requests.get(server.url + "/model_info", timeout=30).json()
         assert info["weight_version"] == str(STEPS), server.url
@@ -107,13 +109,14 @@ def test_queue_trainer_without_in_place_pushes_on_two_real_servers(real_servers,
     _check_run(tmp_path, real_servers, marks, mode=mode)
 
 
-@pytest.mark.parametrize("fault,last_good", [("producer_generation:3", 2), ("after_update_actor:3", 2),
-                                             ("checkpoint_write:4", 2)])
+@pytest.mark.parametrize("fault,last_good", [("producer_generation:3", 2), ("weight_sync:3", 2),
+                                             ("after_update_actor:3", 2), ("checkpoint_write:4", 2)])
 def test_a_killed_async_trainer_resumes_against_the_same_servers_and_trains_each_prompt_once(
         real_servers, tmp_path, fault, last_good):
-    """SIGKILL during generation (inside a producer thread), after an update, and while writing the last
-    checkpoint; the restart reconnects to the servers (which kept running, the dead trainer's requests
-    with them), pushes checkpoint c and recovers the queue."""
+    """SIGKILL during generation (inside a producer thread), during a push (the servers paused in place,
+    holding the dead trainer's requests), after an update, and while writing the last checkpoint; the
+    restart reconnects to the servers (which kept running), resumes and empties them, pushes checkpoint c
+    and recovers the queue."""
     c = fi._crash(tmp_path, fault, *_overrides(real_servers))
     assert c == last_good
     marks = _marks(real_servers)
