@@ -142,6 +142,7 @@ class QueueTrainer(DAPOTrainer):
         self.pool: ProducerPool | None = None  # local engine: producer processes
         self.producers: ServerProducers | None = None  # SGLang: producer threads on rank 0
         self._min_versions: torch.Tensor | None = None  # [B] of the last local update's rows (dumps)
+        self._stale_dropped = 0  # groups sent back for regeneration as too stale (stale_policy=drop), this process
         if self.inplace:
             self._rank0(self._check_no_radix_cache)
 
@@ -258,6 +259,7 @@ class QueueTrainer(DAPOTrainer):
         fg = self.cfg.algorithm.filter_groups
         updates = self.P if self.sync_mode and first else 1
         need, examined, kept0, filtered0 = updates * self.tbs, 0, len(self._pool), len(self._filtered)
+        stale0 = self._stale_dropped
         exhausted = False
         while True:
             self._check_staleness(step)
@@ -288,6 +290,8 @@ class QueueTrainer(DAPOTrainer):
                    "train/num_kept_prompts": float(len(self._pool) + take - kept0),
                    "train/num_dropped_groups": float(len(self._filtered) - filtered0),
                    "train/num_train_prompts": float(take)}
+        if not self.sync_mode:
+            metrics["staleness/regenerated_groups"] = float(self._stale_dropped - stale0)
         return keys, metrics
 
     def _generate(self, step: int) -> list[str]:
@@ -391,6 +395,7 @@ class QueueTrainer(DAPOTrainer):
                 self.queue.update_tags(TRAIN, stale, status="pending", global_steps=step)
             self._pool = [(k, v) for k, v in self._pool if v >= oldest]
             self._seen.difference_update(stale)
+            self._stale_dropped += len(stale)
             log.info("step %d: %d stale groups (policy version < %d) sent back for regeneration", step, len(stale),
                      oldest)
 

@@ -144,3 +144,20 @@ def test_four_process_async_queue_trainer_on_two_real_servers(real_servers, tmp_
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1200).returncode
     assert rc == 0, log.read_text()[-8000:]
     _check_run(tmp_path, real_servers, marks)
+
+
+@pytest.mark.multiproc
+def test_a_four_process_trainer_killed_during_a_push_resumes_and_trains_each_prompt_once(real_servers, tmp_path):
+    """TP2 x DP2 under torchrun: rank 0 is SIGKILLed with the servers paused for the push of version 3 (the
+    other ranks wait in the push's collectives until torchrun ends them). The restarted job resumes from
+    checkpoint 2 against the same servers, resumes and empties them, and trains every prompt once."""
+    more = _overrides(real_servers, "trainer.n_gpus_per_node=4", "parallel.tensor_model_parallel_size=2")
+    crashed = fi._launch(tmp_path, *more, fault="weight_sync:3", fault_rank=0, nproc=4, timeout_s=900)
+    assert crashed.returncode != 0 and "rank      : 0 " in crashed.stderr and "exitcode  : -9" in crashed.stderr, \
+        crashed.stderr[-4000:]
+    assert fi._last_good_checkpoint(tmp_path) == 2 and not (tmp_path / "summary.json").exists()
+    marks = _marks(real_servers)
+    restarted = fi._launch(tmp_path, *more, nproc=4, timeout_s=900)
+    fi._ok(restarted)
+    assert f"resumed from {tmp_path}/f/ckpt/global_step_2 at step 2" in restarted.stderr
+    _check_run(tmp_path, real_servers, marks, resumed_at=2)

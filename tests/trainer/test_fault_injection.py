@@ -42,8 +42,10 @@ class Finished:
 
 
 def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: pathlib.Path | None = None,
-            timeout_s: float = 300.0, fault_signal: str | None = None) -> Finished:
-    """Run _fault_run.py to its end (or its SIGKILL), then end the processes it left behind.
+            timeout_s: float = 300.0, fault_signal: str | None = None, nproc: int = 1,
+            fault_rank: int | None = None) -> Finished:
+    """Run _fault_run.py to its end (or its SIGKILL), then end the processes it left behind. nproc > 1 runs
+    it under torchrun (which ends the other ranks when one dies); fault_rank: only that rank crashes.
 
     A SIGKILLed trainer orphans Megatron's checkpoint-writer multiprocessing Manager (and its resource
     tracker), which never exit on their own; they are this test's processes, ended here by pid. The
@@ -57,11 +59,20 @@ def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: 
         env[faults.ENV] = fault
     if once:
         env[faults.ONCE_ENV] = str(once)
+    env.pop(faults.RANK_ENV, None)
+    if fault_rank is not None:
+        env[faults.RANK_ENV] = str(fault_rank)
+    cmd = [sys.executable, str(FAULT_RUN), str(out), *overrides]
+    if nproc > 1:
+        from tests.standin import free_port
+
+        env["PYTHONPATH"] = str(FAULT_RUN.parents[2])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), *cmd[1:]]
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / f"run{len(list(out.glob('run*.log')))}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(FAULT_RUN), str(out), *overrides], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         me, descendants, deadline = psutil.Process(proc.pid), {}, time.monotonic() + timeout_s
         while proc.poll() is None:
             try:

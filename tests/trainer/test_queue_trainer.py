@@ -380,11 +380,12 @@ def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_und
         trainer._check_staleness(5)
         if policy == "drop":
             assert trainer._pool == [("b@1.0", 3)] and trainer._seen == {"b@1.0"}
+            assert trainer._stale_dropped == 1  # counted: staleness/regenerated_groups
             assert [(t["status"], t["global_steps"]) for t in q.get_tags(TRAIN, ["a@1.0"])] == [("pending", 5)]
             assert q.count(TRAIN, is_prompt=False, prompt_uid="a@1.0") == 0
         else:  # kept; the update weights it with token-level IS against the recomputed old log-probs
             assert trainer._pool == [("a@1.0", 2), ("b@1.0", 3)]
-            assert q.count(TRAIN, is_prompt=False) == 8
+            assert q.count(TRAIN, is_prompt=False) == 8 and trainer._stale_dropped == 0
     finally:
         trainer.close()
 
