@@ -117,8 +117,8 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
     if cfg.queue.enable:  # the push with the pause around it (queue_trainer._sync_weights)
         sync_paused = trainer._sync_weights
 
-        def probed_sync():
-            metrics = sync_paused()
+        def probed_sync(*args):
+            metrics = sync_paused(*args)
             probe(trainer.global_step, metrics)
             return metrics
 

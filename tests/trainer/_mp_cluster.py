@@ -111,8 +111,8 @@ def main(out: str, overrides: list[str]) -> None:
     stats, report = [], []
     real_sync = sync.sync
 
-    def recorded_sync(version, targets=None):
-        s = real_sync(version, targets)
+    def recorded_sync(version, targets=None, **kw):
+        s = real_sync(version, targets, **kw)
         stats.append({"version": version, "seconds": s.seconds, "buckets": s.buckets, "tensors": s.tensors,
                       "bytes_sent": s.bytes_sent, "bytes_gathered": s.bytes_gathered})
         return s

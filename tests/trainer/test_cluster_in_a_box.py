@@ -276,12 +276,18 @@ def test_ipc_transport_across_two_nodes_feeds_each_nodes_servers_from_its_leader
         out.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         port = 29850 + os.getpid() % 100
+        # Output to files, not pipes: the torch_shm_manager of the ipc handles outlives the agents (until the
+        # stand-ins release the tensors) and would hold a pipe open, so reading it to EOF would wait for that.
+        files = [open(out / f"agent{node}.log", "w") for node in (0, 1)]
         agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                     str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
                                     str(port), str(ROOT / "tests/trainer/_mp_cluster.py"), str(out), *overrides],
-                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                   cwd=ROOT, env=env, stdout=files[node], stderr=subprocess.STDOUT)
                   for node in (0, 1)]
-        logs = [a.communicate(timeout=900)[0] for a in agents]
+        for a, f in zip(agents, files, strict=True):
+            a.wait(timeout=900)
+            f.close()
+        logs = [(out / f"agent{node}.log").read_text(errors="replace") for node in (0, 1)]
         assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
         report = json.loads((out / "report.json").read_text())
         assert [e["version"] for e in report] == [0, 1, 2] and all(not e["mismatch"] for e in report), report
