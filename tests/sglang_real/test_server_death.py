@@ -59,18 +59,26 @@ def _overrides(tiny_qwen2, tmp_path, *more):
             *cpu_server_overrides(), *more]
 
 
-@pytest.mark.multiproc
-def test_a_killed_server_s_requests_go_to_the_survivor_and_it_comes_back_restarted_with_the_weights(
-        tiny_qwen2, tmp_path):
-    rc, _ = _torchrun(tmp_path, "restart", *_overrides(tiny_qwen2, tmp_path, f"rollout.server_base_port={free_port_pair()}"))
+def _restart_run(tiny_qwen2, tmp_path, *more):
+    """The "restart" mode on 2 processes; checks the pool's story of the victim and returns (events, its
+    URL, the pool's events): down (its in-flight request lost its connection), the request re-issued,
+    restarted, back after a sync."""
+    rc, _ = _torchrun(tmp_path, "restart", *_overrides(tiny_qwen2, tmp_path, f"rollout.server_base_port={free_port_pair()}",
+                                                       *more))
     log = (tmp_path / "launch.log").read_text(errors="replace")
     assert rc == 0, log[-8000:]
     events = json.loads((tmp_path / "events.json").read_text())
     victim, pool = events["killed_url"], events["pool"]
     kinds = [(e["kind"], e["url"]) for e in pool]
-    # Down (its in-flight request lost its connection), the request re-issued, restarted, back after a sync.
     assert kinds[:3] == [("down", victim), ("restart", victim), ("reissue", victim)], kinds
     assert ("readmitted", victim) in kinds and all(u == victim for _, u in kinds)
+    return events, victim, pool
+
+
+@pytest.mark.multiproc
+def test_a_killed_server_s_requests_go_to_the_survivor_and_it_comes_back_restarted_with_the_weights(
+        tiny_qwen2, tmp_path):
+    events, victim, pool = _restart_run(tiny_qwen2, tmp_path)
     first_reissue = next(e["wall"] for e in pool if e["kind"] == "reissue")
     assert 0 <= first_reissue - events["killed_at"] < 2.0, first_reissue - events["killed_at"]
     print(f"\nserver killed -> first request re-issued on the survivor: {first_reissue - events['killed_at']:.3f} s")
@@ -111,16 +119,8 @@ def test_the_async_queue_trainer_loses_no_row_when_a_server_dies_mid_generation(
     generation): the killed server's requests are re-sent to the survivor by the engine, it is restarted
     and rejoins with the actor's weights; every step trains on whole groups, none twice or aborted, each
     row from a pushed version at most one behind."""
-    rc, _ = _torchrun(tmp_path, "restart", *_overrides(tiny_qwen2, tmp_path, f"rollout.server_base_port={free_port_pair()}",
-                                                       "queue.enable=true", "queue.max_staleness=1",
-                                                       "queue.partial_rollout=true", "queue.num_producers=2"))
-    log = (tmp_path / "launch.log").read_text(errors="replace")
-    assert rc == 0, log[-8000:]
-    events = json.loads((tmp_path / "events.json").read_text())
-    victim, pool = events["killed_url"], events["pool"]
-    kinds = [(e["kind"], e["url"]) for e in pool]
-    assert kinds[:3] == [("down", victim), ("restart", victim), ("reissue", victim)], kinds
-    assert ("readmitted", victim) in kinds and all(u == victim for _, u in kinds)
+    _, victim, _ = _restart_run(tiny_qwen2, tmp_path, "queue.enable=true", "queue.max_staleness=1",
+                                "queue.partial_rollout=true", "queue.num_producers=2")
     seen = set()
     for step in range(1, STEPS + 1):
         rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
