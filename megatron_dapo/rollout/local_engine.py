@@ -456,9 +456,12 @@ class LocalEngine(RolloutEngine):
         sp_config, mtp_layers, mtp_process = config.sequence_parallel, config.mtp_num_layers, inner.mtp_process
         cores = [m for m in inner.modules() if hasattr(m, "core_attention")]
         swapped = [(m, m.core_attention) for m in cores if _SdpaCoreAttention.can_replace(m.core_attention)]
+        rotated = [m for m in cores if _RotatedKeyCache.can_wrap(m)]
         try:
             for m, core in swapped:
                 m.core_attention = _SdpaCoreAttention(core)
+            for m in rotated:
+                m._adjust_key_value_for_inference = _RotatedKeyCache(m)
             self._plain_attention = len(swapped) == len(cores)
             self.model.eval()
             if sp_config:
@@ -469,6 +472,8 @@ class LocalEngine(RolloutEngine):
             with torch.no_grad():
                 yield
         finally:
+            for m in rotated:
+                del m._adjust_key_value_for_inference  # the instance attribute: the class's method again
             for m, core in swapped:
                 m.core_attention = core
             self._plain_attention = False
@@ -573,11 +578,14 @@ class _SdpaCoreAttention(torch.nn.Module):
 
     Why: the local module expands the grouped K/V cache to every head (repeat_interleave, a copy of
     the whole cache per layer and decode step) and runs baddbmm + masked softmax + bmm. Here the
-    groups are read in place: by torch's scaled_dot_product_attention (enable_gqa) in one fused call,
-    or, while at most SMALL_KEYS keys are cached, by two batched matmuls over [b, groups] with the
-    group's heads as the rows of one product: the fused CPU kernel's per-(row, head) blocks cost more
-    than the arithmetic there (1.3-3.6 ms against 0.6-1.0 ms for 384 rows, 4 heads / 2 groups, 8-19
-    keys; the embedded default's responses are a few tokens long). Only the two shapes the engine
+    groups are read in place: by two batched matmuls over [b, groups] with the group's heads as the
+    rows of one product for a decode step and for a forward over at most SMALL_KEYS positions, else by
+    torch's scaled_dot_product_attention (enable_gqa) in one fused call. The fused CPU kernel's
+    per-(row, head) blocks cost more than the arithmetic of a decode step at any context length
+    (128 rows, 8 heads / 2 groups of 64, 2 threads: 0.75 / 1.8 / 9.5 / 40.6 ms against 0.30 / 0.88 /
+    7.0 / 24.0 ms at 40 / 140 / 500 / 2,000 keys) and of short forwards (1.3-3.6 ms against 0.6-1.0 ms
+    for 384 rows, 4 heads / 2 groups, 8-19 keys); a longer forward's [g * sq, sk] scores would grow
+    with the square of its length, so it keeps the fused kernel. Only the two shapes the engine
     produces are handled: a decode step (sq = 1 query against every cached key: nothing to mask) and
     a forward from position 0 (sq = sk: causal). Any other call goes to the wrapped module. Local spec
     only (TE's attention is already fused); softmax_type vanilla, no sliding window, dropout off (eval).
@@ -607,7 +615,7 @@ class _SdpaCoreAttention(torch.nn.Module):
             return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         b, heads, hn = query.shape[1], query.shape[2], query.shape[3]
-        if sk <= self.SMALL_KEYS:
+        if sq == 1 or sk <= self.SMALL_KEYS:
             return self._small(query, key, value)
         out = torch.nn.functional.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
@@ -627,6 +635,49 @@ class _SdpaCoreAttention(torch.nn.Module):
             scores = scores.view(b, groups, g, sq, sk).masked_fill(future, float("-inf")).view(b, groups, g * sq, sk)
         out = torch.matmul(torch.softmax(scores, dim=-1), value.permute(1, 2, 0, 3))  # [b, ng, g * sq, hn]
         return out.view(b, groups, g, sq, hn).permute(3, 0, 1, 2, 4).reshape(sq, b, heads * hn)
+
+
+class _RotatedKeyCache:
+    """Megatron's `Attention._adjust_key_value_for_inference` for the generation, with the keys cached
+    after their rotary embedding instead of before.
+
+    Why: with a static inference context Megatron caches the un-rotated keys and rotates the whole
+    cache [0, offset + 1) again in every decode step and layer (attention.py: `k_pos_emb[:sequence_end]`
+    then `apply_rotary_pos_emb(key, ...)`), so a decode step's cost grew with the context: at 8
+    layers x 128 rows x 2 groups of 64, 8 + 128 tokens, the rotation of the cache took about a third
+    of the generation on CPU. Here the new positions' keys are rotated once, by the same Megatron
+    function with the same frequencies, mscale and group, before the original method stores them;
+    the key rotary it returns is None, so the forward rotates only the query. RoPE acts on each
+    position alone, so the cached keys hold what the forward's rotation of the whole cache gives.
+    Self-attention with static batching only (the engine's context); anything else passes through.
+    """
+
+    def __init__(self, attention: torch.nn.Module):
+        self.attention, self.original = attention, type(attention)._adjust_key_value_for_inference
+
+    @staticmethod
+    def can_wrap(attention: Any) -> bool:
+        from megatron.core.transformer.attention import SelfAttention
+
+        return (isinstance(attention, SelfAttention) and type(attention)._adjust_key_value_for_inference
+                is SelfAttention._adjust_key_value_for_inference and not attention.config.flash_decode)
+
+    def __call__(self, inference_context: Any, query: Tensor, key: Tensor, value: Tensor, rotary_pos_emb: Any,
+                 *args: Any, **kwargs: Any) -> tuple:
+        a = self.attention
+        if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
+                or rotary_pos_emb[1] is None):
+            return self.original(a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+        start = inference_context.sequence_len_offset
+        key = apply_rotary_pos_emb(key, rotary_pos_emb[1][start:start + key.shape[0]], config=a.config,
+                                   mscale=_yarn_get_concentration_factor_from_config(a.config),
+                                   cp_group=a.pg_collection.cp)
+        query, key, value, rotary_pos_emb, mask_type, block_table = self.original(
+            a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        return query, key, value, (rotary_pos_emb[0], None), mask_type, block_table
 
 
 class _CachedStepper:

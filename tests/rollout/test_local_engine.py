@@ -112,10 +112,70 @@ def test_mtp_and_moe_models_sample_with_the_main_head_at_actor_log_probs(pgs, va
     assert [s.response_token_ids for s in full] == [s.response_token_ids for s in samples]
 
 
+def test_long_generations_keep_actor_log_probs_and_megatron_s_own_cache(pgs, actor, monkeypatch):
+    """Past SMALL_KEYS cached keys (48 new tokens): the log-probs are still the actor's, and the keys
+    cached after their rotary (_RotatedKeyCache) give the tokens and log-probs of Megatron's own
+    cache of un-rotated keys, rotated whole in every step."""
+    from megatron_dapo.rollout import local_engine
+
+    sampling = SamplingParams(max_new_tokens=48, n=2, temperature=1.0, seed=13)
+    calls = []
+    original = local_engine._RotatedKeyCache.__call__
+    monkeypatch.setattr(local_engine._RotatedKeyCache, "__call__",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    samples = engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, sampling)
+    layers = bare(actor).config.num_layers
+    assert len(calls) == layers * (1 + (5 - 2) + 48 - 1)  # every layer in every forward: one batch, prompts of 2-5
+    batch, ref = actor_log_probs(actor, samples, 48)
+    assert int(batch.response_length.min()) == 48
+    torch.testing.assert_close(batch.rollout_log_probs, ref, atol=1e-5, rtol=0)
+
+    monkeypatch.setattr(local_engine._RotatedKeyCache, "can_wrap", staticmethod(lambda attention: False))
+    megatron = engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, sampling)
+    assert [s.response_token_ids for s in megatron] == [s.response_token_ids for s in samples]
+    torch.testing.assert_close(torch.tensor([s.rollout_log_probs for s in megatron]),
+                               torch.tensor([s.rollout_log_probs for s in samples]), atol=1e-5, rtol=0)
+
+
+def test_the_rotated_key_cache_holds_the_keys_rotary_gives_each_position(pgs, actor):
+    """After a generation the cache of every layer holds rotary(key) at each position: recomputed here
+    from the layer's own QKV projection of the hidden states and Megatron's apply_rotary_pos_emb."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    model = bare(actor)
+    eng = engine(model, pgs, eos_token_id=None)
+    layer = model.decoder.layers[0]
+    seen = {}
+    hook = layer.self_attention.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.setdefault("x", []).append(args[0].detach().clone()), with_kwargs=True)
+    try:
+        prompt = torch.tensor([[3, 4, 5, 6, 7]])
+        with eng._generation_mode():
+            ctx = StaticInferenceContext(max_batch_size=1, max_sequence_length=9)
+            model(prompt, eng._positions(0, 1, 5), None, inference_context=ctx, runtime_gather_output=True)
+            ctx.increment_sequence_len_offset(5)
+            ctx.enable_decode_mode()
+            for t in (8, 9, 10):
+                model(torch.tensor([[t]]), eng._positions(ctx.sequence_len_offset, 1, 1), None,
+                      inference_context=ctx, runtime_gather_output=True)
+                ctx.increment_sequence_len_offset(1)
+            x = torch.cat(seen["x"])                               # [8, 1, hidden]: layer 0's input
+            _, key, _ = layer.self_attention.get_query_key_value_tensors(x)
+            freqs = model.rotary_pos_emb(9)[:8]
+            want = apply_rotary_pos_emb(key, freqs, config=model.config)
+    finally:
+        hook.remove()
+    cached = ctx.key_value_memory_dict[layer.self_attention.layer_number][0][:8]
+    torch.testing.assert_close(cached, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(cached, key, atol=1e-3)  # the rotation did move the keys
+
+
 @pytest.mark.parametrize("sq,sk", [(1, 7), (1, 40), (6, 6), (36, 36)])
 def test_generation_attention_paths_equal_megatron_core_attention(pgs, actor, sq, sk):
-    """Both paths of the generation's core attention (two matmuls per group up to SMALL_KEYS keys, SDPA
-    beyond) against Megatron's own DotProductAttention: a decode step (sq = 1) and a causal forward."""
+    """Both paths of the generation's core attention (two matmuls per group for a decode step at any
+    number of keys and for forwards up to SMALL_KEYS positions, SDPA for longer forwards) against
+    Megatron's own DotProductAttention: a decode step (sq = 1) and a causal forward."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dapo.rollout.local_engine import _SdpaCoreAttention
