@@ -556,16 +556,16 @@ class QueueTrainer(DAPOTrainer):
             self._load_sampler_record()
         n = self._reissue_inflight_prompts()
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
+        num = self.cfg.queue.num_producers
+        claim_size = max(1, self.gbs // num)  # one batch's prompts shared among the producers
         if not self.sync_mode and self.on_servers:
-            self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling,
-                                             num=self.cfg.queue.num_producers,
-                                             claim_size=max(1, self.gbs // self.cfg.queue.num_producers))
+            self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling, num=num,
+                                             claim_size=claim_size)
             self.producers.start()
         elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
-            self.pool = ProducerPool(self.cfg, self.queue, weights_dir=self.weights.dir,
-                                     num=self.cfg.queue.num_producers,
-                                     claim_size=max(1, self.gbs // self.cfg.queue.num_producers))
+            self.pool = ProducerPool(self.cfg, self.queue, weights_dir=self.weights.dir, num=num,
+                                     claim_size=claim_size)
             self.pool.start()
 
     def _reissue_inflight_prompts(self) -> int:
