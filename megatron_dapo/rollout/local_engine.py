@@ -21,7 +21,8 @@ How a call runs:
    prompt share theirs) and each layer's cache rows are copied to the duplicates: with n = 4 it
    costs a quarter of the FLOPs (384 rows of 5-6 tokens, CPU: about 65 -> 27 ms). Only while every
    core attention is the local one (`_SdpaCoreAttention`), whose cache is one [S, b, ng, hn]
-   (key, value) pair per layer.
+   (key, value) pair per layer. The keys are cached after their rotary embedding
+   (`_RotatedKeyCache`), so a decode step rotates its own key only, not the whole cache again.
    Without the cache every step re-runs the whole sequence (the reference path, and the
    benchmark's baseline).
 3. Rows that finished keep being fed `pad_token_id` until their batch is done (their outputs are
