@@ -74,6 +74,7 @@ Shape legend:
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -654,7 +655,13 @@ class _RotatedKeyCache:
     """
 
     def __init__(self, attention: torch.nn.Module):
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
         self.attention, self.original = attention, type(attention)._adjust_key_value_for_inference
+        self.rotate = functools.partial(  # the forward's own key rotation (attention.py), fixed per module
+            apply_rotary_pos_emb, config=attention.config, cp_group=attention.pg_collection.cp,
+            mscale=_yarn_get_concentration_factor_from_config(attention.config))
 
     @staticmethod
     def can_wrap(attention: Any) -> bool:
@@ -669,13 +676,8 @@ class _RotatedKeyCache:
         if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
                 or rotary_pos_emb[1] is None):
             return self.original(a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
-
         start = inference_context.sequence_len_offset
-        key = apply_rotary_pos_emb(key, rotary_pos_emb[1][start:start + key.shape[0]], config=a.config,
-                                   mscale=_yarn_get_concentration_factor_from_config(a.config),
-                                   cp_group=a.pg_collection.cp)
+        key = self.rotate(key, rotary_pos_emb[1][start:start + key.shape[0]])
         query, key, value, rotary_pos_emb, mask_type, block_table = self.original(
             a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
         return query, key, value, (rotary_pos_emb[0], None), mask_type, block_table

@@ -138,8 +138,8 @@ def test_long_generations_keep_actor_log_probs_and_megatron_s_own_cache(pgs, act
 
 
 def test_the_rotated_key_cache_holds_the_keys_rotary_gives_each_position(pgs, actor):
-    """After a generation the cache of every layer holds rotary(key) at each position: recomputed here
-    from the layer's own QKV projection of the hidden states and Megatron's apply_rotary_pos_emb."""
+    """After a prefill and three decode steps, layer 0's cache holds rotary(key) at each position:
+    recomputed here from the layer's own QKV projection of its inputs and Megatron's apply_rotary_pos_emb."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
