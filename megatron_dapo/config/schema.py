@@ -331,7 +331,9 @@ class RolloutConfig:
     weight_transport: Literal["auto", "distributed", "ipc"] = "auto"
     """How SGLang servers get the weights: distributed = one weight-update process group per pipeline stage (NCCL; gloo on CPU), for servers on other GPUs or nodes; ipc = each node's first trainer rank posts CUDA IPC handles to the servers on its node (colocated: NCCL refuses two ranks on one GPU); auto = ipc for mode=colocate on CUDA, else distributed."""
     weight_sync_timeout_s: float = 600.0
-    """Longest wait for the servers in one weight-sync step (joining a group, loading a bucket)."""
+    """Longest wait for the servers to join a weight-update group (and for one bucket to load, unless weight_sync_bucket_timeout_s is smaller)."""
+    weight_sync_bucket_timeout_s: float = 120.0
+    """Longest time one weight-sync bucket may take, from its first POST to the last server's reply, at most weight_sync_timeout_s. weight_transport=distributed: a server that dies mid-bucket leaves the broadcast incomplete for every member, so after this the senders abandon the group and every rank stops with the same WeightSyncError naming the servers that did not answer (the run resumes from its checkpoint) instead of waiting for the NCCL watchdog; ipc: a server that fails a bucket gets nothing more and leaves the rotation, the others are fed."""
     sglang_server_nodes: list[int] = field(default_factory=list)
     """Trainer node (torchrun node rank) each of rollout.sglang_urls runs on, for weight_transport=ipc; empty = found by matching each URL's host with the nodes' addresses (loopback: node 0)."""
     weight_sync_host: str = ""
@@ -384,6 +386,8 @@ class RolloutConfig:
                self.gpu_memory_utilization)
         _check(self.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "> 0", self.weight_sync_bucket_mb)
         _check(self.weight_sync_timeout_s > 0, "rollout.weight_sync_timeout_s", "> 0", self.weight_sync_timeout_s)
+        _check(0 < self.weight_sync_bucket_timeout_s <= self.weight_sync_timeout_s, "rollout.weight_sync_bucket_timeout_s",
+               "in (0, rollout.weight_sync_timeout_s]", self.weight_sync_bucket_timeout_s)
         _check(self.max_concurrency >= 1, "rollout.max_concurrency", ">= 1", self.max_concurrency)
         _check(self.max_retries >= 0, "rollout.max_retries", ">= 0", self.max_retries)
         _check(self.health_check_interval_s > 0, "rollout.health_check_interval_s", "> 0", self.health_check_interval_s)

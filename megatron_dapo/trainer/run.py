@@ -344,6 +344,7 @@ def _sglang_push(cfg: Config, parts):
     sync = SGLangWeightSync(servers, pgs=pgs, chunks=[unwrap_model(c) for c in parts.actor.policy.chunks],
                             arch=model_arch(cfg, vocab_size=parts.tokenizer.vocab_size), transport=transport,
                             bucket_bytes=max(1, int(r.weight_sync_bucket_mb * MIB)), timeout_s=r.weight_sync_timeout_s,
+                            bucket_timeout_s=r.weight_sync_bucket_timeout_s,
                             host=r.weight_sync_host or None, session=session, drop_mtp=not drafter.send_mtp,
                             selector=drafter.selector)
     sync.setup()
@@ -356,17 +357,21 @@ def _sglang_push(cfg: Config, parts):
         pooled = box[0]
 
     def push(version: int, *, flush_cache: bool = True) -> dict[str, float]:
-        # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
-        # fed again), the same list on every rank; AllServersDown on every rank when none answers.
-        targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
         # Colocated servers free their memory while the actor trains (fit); every rank first gives back
         # what the servers were planned without (workers/memory.py), then verl's order around the sync:
-        # weights back first, the sync, then the KV cache (the cache is not needed to load weights).
+        # weights back first (each server what it released; relaunches deferred during training start
+        # now), the sync, then the KV cache (the cache is not needed to load weights).
         held = {}
         if colocated:
             held = free_for_rollout(parts.actor.offload)
             engine.resume_memory(["weights"])
+        # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
+        # fed again), the same list on every rank; AllServersDown on every rank when none answers.
+        targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
         stats = sync.sync(version, targets, flush_cache=flush_cache)
+        if stats.lost and pooled:  # ipc: a server that failed a bucket leaves the rotation (health.py)
+            engine._on_rank0(lambda: [engine.engine.pool.mark_down(u, f"weight sync: {e}") for u, e in stats.lost.items()])
+            targets = [u for u in targets if u not in stats.lost]
         if colocated:
             engine.resume_memory(["kv_cache"])
         engine.update_weights(None, policy_version=version)  # every rank records the version the servers hold

@@ -15,21 +15,38 @@ A, B = "http://a", "http://b"
 
 
 class Script:
-    """probe(url) answers what `replies[url]` holds; counts calls."""
+    """probe(url, deep) answers what `replies[url]` holds; records (url, deep) per call."""
 
     def __init__(self):
         self.replies = {A: Probe(True, "0"), B: Probe(True, "0")}
         self.calls: list[str] = []
+        self.deep: list[tuple[str, bool]] = []
 
     def __call__(self, url: str, deep: bool = True) -> Probe:
         self.calls.append(url)
+        self.deep.append((url, deep))
         return self.replies[url]
 
 
-def _pool(script, *, version=0, restart=None, **kw) -> ServerPool:
+class Control:
+    """post(url, path, body): records every control call; `fail[url]` is the error text it answers."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, object]] = []
+        self.fail: dict[str, str] = {}
+
+    def __call__(self, url, path, body):
+        self.calls.append((url, path, body))
+        return self.fail.get(url)
+
+    def to(self, url):
+        return [(path, body) for u, path, body in self.calls if u == url]
+
+
+def _pool(script, *, version=0, restart=None, post=None, **kw) -> ServerPool:
     holder = {"v": version}
     pool = ServerPool([A, B], threading.Condition(), probe=script, expected_version=lambda: holder["v"],
-                      restart=restart, **{"interval_s": 0.05, "down_timeout_s": 0.3, **kw})
+                      restart=restart, post=post or Control(), **{"interval_s": 0.05, "down_timeout_s": 0.3, **kw})
     pool.version = holder  # the test moves the engine's version through it
     return pool
 
@@ -47,25 +64,6 @@ def test_a_refused_connection_takes_a_server_down_at_once_and_a_failed_check_onl
     assert pool.last_error == {A: "HTTP 503", B: "ConnectionError: refused"}
     assert pool.take_counts() == {"failures": 2, "reissued_requests": 0, "restarts": 0, "readmitted": 0, "up": 0}
     assert pool.take_counts()["failures"] == 0  # counts are per call
-
-
-def test_while_generation_is_paused_failed_checks_do_not_count_but_a_refused_connection_does():
-    """A paused server cannot answer /health (SGLang generates a token for it): a push into paused
-    generation that outlasts three checks must not take the servers down."""
-    script = Script()
-    pool = _pool(script)
-    pool.paused = True
-    script.replies[A] = Probe(False, error="HTTP 503")
-    for _ in range(5):
-        pool.poll_once()
-    assert pool.state[A] == "up"
-    script.replies[B] = Probe(False, error="ConnectionError: refused", refused=True)
-    pool.poll_once()
-    assert pool.state == {A: "up", B: "down"}
-    pool.paused = False
-    for _ in range(3):
-        pool.poll_once()
-    assert pool.state[A] == "down"  # the count starts when the pause ends
 
 
 def test_a_server_back_with_the_current_weights_is_readmitted_one_with_others_waits_for_the_sync():
@@ -178,3 +176,145 @@ def test_a_server_back_with_another_model_stays_down():
     script.replies[B] = Probe(True, "0", model=("qwen2", ("Qwen2ForCausalLM",)))
     pool.poll_once()
     assert pool.state[B] == "up"
+
+
+# ------------------------------------------------------------------------------------ the state machine
+# Each rule below is a call SGLang 0.5.23 would crash on (health.py's docstring cites the lines).
+
+def test_paused_and_released_servers_get_no_generating_probe_and_their_failures_still_count():
+    script, control = Script(), Control()
+    pool = _pool(script, post=control)
+    pool.pause("in_place")
+    assert pool.state == {A: "paused", B: "paused"} and pool.up() == []
+    pool.poll_once()
+    assert script.deep == [(A, False), (B, False)]  # /model_info only: a paused scheduler cannot generate
+    script.replies[A] = Probe(False, error="/model_info: HTTP 503")
+    for _ in range(3):
+        pool.poll_once()
+    assert pool.state[A] == "down"  # a failure of a probe that runs no forward is a real one
+    pool.resume_generation()
+    assert control.to(B) == [("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {})]
+    assert control.to(A) == [("/pause_generation", {"mode": "in_place"})]  # a down server gets no continue
+    assert pool.state[B] == "up"
+    pool.release(["weights", "kv_cache"])
+    script.deep.clear()
+    pool.poll_once()
+    assert (B, False) in script.deep and pool.state[B] == "released"
+    assert pool.released[B] == frozenset({"weights", "kv_cache"})
+
+
+def test_a_release_waits_for_a_generating_probe_in_flight_and_later_probes_do_not_generate():
+    """SGLang asserts the scheduler is idle in release_memory_occupation: a /health generation still
+    running when the release arrives kills the server."""
+    entered, go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def probe(url, deep=True):
+        if deep and url == A:
+            entered.set()
+            go.wait(5)
+            order.append("probe returned")
+        return Probe(True, "0")
+
+    control = Control()
+    pool = ServerPool([A, B], threading.Condition(), probe=probe, expected_version=lambda: 0, post=control)
+    prober = threading.Thread(target=pool.check, args=(A,))
+    prober.start()
+    assert entered.wait(5)
+    releaser = threading.Thread(target=lambda: (pool.release(None), order.append("released")))
+    releaser.start()
+    time.sleep(0.2)
+    assert order == [] and control.calls == []  # nothing posted while the probe's generation runs
+    assert pool.check(A) == Probe(True, "0")  # a probe started now reads /model_info only, and does not block
+    go.set()
+    prober.join(5)
+    releaser.join(5)
+    assert order == ["probe returned", "released"]
+    assert [(u, p) for u, p, _ in control.calls] == [(A, "/release_memory_occupation"), (B, "/release_memory_occupation")]
+
+
+def test_a_release_waits_for_generation_in_flight_and_admits_no_new_requests():
+    busy = {A: True, B: False}
+    control = Control()
+    cond = threading.Condition()
+    pool = ServerPool([A, B], cond, probe=Script(), expected_version=lambda: 0, post=control,
+                      busy=lambda u: busy[u])
+    t = threading.Thread(target=pool.release, args=(["kv_cache"],))
+    t.start()
+    time.sleep(0.2)
+    assert control.calls == [] and pool.up() == []  # released from the decision on: nothing new is admitted
+    with cond:
+        busy[A] = False
+        cond.notify_all()
+    t.join(5)
+    assert {u for u, _, _ in control.calls} == {A, B}
+
+
+def test_a_resume_sends_each_server_only_the_tags_it_released():
+    """SGLang removes each resumed tag from offload_tags: a tag not released is a KeyError that kills it."""
+    control = Control()
+    pool = _pool(Script(), post=control)
+    pool.release(["weights", "kv_cache"])
+    pool.resume(["weights"])
+    pool.resume(["weights"])  # a second resume of the same tag: nothing to send
+    pool.resume(["kv_cache", "cuda_graph"])  # cuda_graph was never released: not sent
+    for url in (A, B):
+        assert control.to(url) == [("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
+                                   ("/resume_memory_occupation", {"tags": ["weights"]}),
+                                   ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
+    assert pool.state == {A: "up", B: "up"}
+
+
+def test_a_control_call_failing_on_one_server_marks_it_down_and_goes_on_failing_on_all_raises():
+    control = Control()
+    pool = _pool(Script(), post=control)
+    control.fail[A] = "ConnectionError: refused"
+    pool.release(None)
+    assert pool.state == {A: "down", B: "released"}
+    assert pool.last_error[A] == "/release_memory_occupation: ConnectionError: refused"
+    pool.resume(None)  # the down server is not resumed
+    assert [p for p, _ in control.to(A)] == ["/release_memory_occupation"]
+    assert pool.state[B] == "up"
+    control.fail[B] = "HTTP 400: bad"
+    with pytest.raises(AllServersDown, match=r"pause_generation failed on every server: http://b/pause_generation: "
+                                             r"HTTP 400: bad"):
+        pool.pause("abort")
+
+
+def test_a_colocated_server_dying_in_training_is_relaunched_at_the_next_resume_and_rejoins_through_a_release():
+    """Relaunched at once, a colocated server would start on GPUs the actor holds at its training peak, then
+    be resumed for tags it never released (KeyError). Here: relaunched when the rollout phase begins, and
+    a relaunch answering while the others are released is released first."""
+    script, control, restarted = Script(), Control(), threading.Event()
+    pool = _pool(script, post=control, restart=lambda url: restarted.set())
+    pool.release(["weights", "kv_cache"])
+    script.replies[B] = Probe(False, error="refused", refused=True)
+    pool.poll_once()
+    assert pool.state[B] == "down" and not restarted.wait(0.2)  # deferred: the actor trains
+    assert [e.kind for e in pool.events] == ["down", "restart_deferred"]
+    pool.resume(["weights"])  # the rollout phase begins: the relaunch starts, B gets no resume
+    assert restarted.wait(5) and pool.state[B] == "restarting" and pool.released[B] == frozenset()
+    assert [p for p, _ in control.to(B)] == ["/release_memory_occupation"]
+    # A relaunch answering before the next resume while the others are released again is released at once.
+    pool.resume(["kv_cache"])
+    pool.release(["weights", "kv_cache"])
+    script.replies[B] = Probe(True, "default")
+    pool.poll_once()
+    assert pool.state[B] == "released" and pool.sync_targets() == [A, B]
+    assert control.to(B)[-1] == ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    pool.resume(["weights"])
+    pool.resume(["kv_cache"])
+    assert control.to(B)[-2:] == [("/resume_memory_occupation", {"tags": ["weights"]}),
+                                  ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
+    assert pool.state[B] == "stale"  # back up only after it reports the sync's version
+    pool.version["v"] = 1
+    script.replies[B] = Probe(True, "1")
+    pool.confirm(B, 1)
+    assert pool.state == {A: "up", B: "up"}
+
+
+def test_a_disaggregated_server_is_relaunched_at_once():
+    restarted = threading.Event()
+    pool = _pool(Script(), restart=lambda url: restarted.set())
+    pool.mark_down(A, "killed")
+    assert restarted.wait(5) and pool.state[A] == "restarting"

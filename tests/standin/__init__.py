@@ -29,9 +29,11 @@ pause / continue and the colocation check. The stand-in stays for what that serv
 - The MTP drafter and speculative decoding: SGLang's speculative kernels are in its CUDA kernel package,
   which the CPU environment stubs (tests/sglang_env): test_sglang_drafter, _mp_drafter, test_hf_mtp,
   test_sglang_autospec, test_sglang_spec_metrics.
-- The memory saver (torch_memory_saver needs libcuda; on CPU release / resume are no-ops): the stand-in
-  refuses to generate with released memory, so test_sglang_control and test_cluster_in_a_box check that
-  colocated servers are resumed before they generate.
+- The memory saver (torch_memory_saver needs libcuda; on CPU release / resume are no-ops): with
+  --enable-memory-saver the stand-in dies as SGLang does on a GPU on a forward over released memory
+  (/generate or /health's generation), a release while busy and a resume of a tag not released
+  (server.py), so test_sglang_control, test_cluster_in_a_box and test_colocated_lifecycle show that
+  colocated servers are never driven into those calls.
 - Faults on demand (knobs: delays, HTTP errors, malformed replies, a server killed mid-generation or
   mid-sync): test_sglang_engine, test_sglang_control, test_sglang_weights, test_cluster_in_a_box.
 - Per-tensor checksums at every TP rank of every server (checksums()), and known outputs (the toy model):

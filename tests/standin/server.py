@@ -16,17 +16,23 @@ What it does as SGLang does (the release's source is the reference; see protocol
   update waits for the generations in flight and blocks new ones until it is done;
 - /abort_request by exact rid or abort_all: the request ends with finish_reason abort and its
   partial output;
-- /health and /health_generate answer 503 until the model is loaded; /model_info, /server_info and
+- /health and /health_generate answer 503 until the model is loaded; then /health is a one-token
+  generation when the server is idle (unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false), as
+  0.5.23's entrypoints/http_server.py:721-785 (skipped while requests run, managers/scheduler.py:2241); /model_info, /server_info and
   the deprecated /get_model_info, /get_server_info (with `version`, `context_length` = the launch
   setting, None unless --context-length is given, and `max_req_input_len` = context - 6), as the
   release has them (others: 404); /generate refuses prompt + max_new_tokens > context and cuts
   max_new_tokens to context - 2 - prompt, as the release's tokenizer manager and scheduler do;
 - /flush_cache: 400 while requests run;
 - /release_memory_occupation, /resume_memory_occupation with tags (weights, kv_cache,
-  cuda_graph; none = all), effective with --enable-memory-saver; a release while requests run and a
-  resume of a tag that is not released kill the server as SGLang's scheduler assertion / KeyError
-  does; weights resumed without --enable-weights-cpu-backup hold nothing until every tensor is
-  updated again;
+  cuda_graph; none = all), effective with --enable-memory-saver, which then behaves as SGLang 0.5.23
+  does on a GPU, each rule killing the server ("Scheduler hit an exception" in its log, connections
+  dropped): a release while a request or a /health generation runs (the `is_fully_idle` assertion,
+  managers/scheduler_components/weight_updater.py:338-341); a resume of a tag that is not released
+  (`offload_tags.remove`, weight_updater.py:383-390: KeyError); a forward while weights, KV cache or
+  CUDA graphs are released, from /generate or from /health's generation (torch_memory_saver unmapped
+  them without a CPU copy: an illegal memory access, state.check_can_generate); weights resumed
+  without --enable-weights-cpu-backup hold nothing until every tensor is updated again;
 - weight updates (/init_weights_update_group, /update_weights_from_distributed,
   /update_weights_from_tensor, /update_weights_from_disk, /destroy_weights_update_group) on --tp-size
   receiver ranks (weights.py); from 0.5.21 distributed and tensor updates outside a
@@ -48,8 +54,8 @@ What it does as SGLang does (the release's source is the reference; see protocol
 Stand-in stricter than SGLang (each catches a wrong order that real hardware would punish later):
 --speculative-algorithm on an HF model SGLang has no MTP drafter for (it would load a second full model
 as the drafter) exits at load; an unknown `mtp.*` name sent to the drafter is a 400 (SGLang skips it);
-generation is refused with 400 naming the cause while weights / KV cache / CUDA graphs are released,
-or while weights resumed without CPU backup have not all been updated; an unknown or mis-shaped
+generation is refused with 400 naming the cause while weights resumed without CPU backup have not all
+been updated (SGLang would generate from garbage); an unknown or mis-shaped
 tensor name is a 400 naming it; an unknown memory tag is a 400.
 
 Not emulated (a request needing them is a 400 saying so, or simply absent): streaming, text prompts
@@ -85,7 +91,7 @@ from tests.standin import weight_routes as _wr
 from tests.standin.cli import parse_args, server_args_dict
 from tests.standin.protocol import RequestError
 from tests.standin.routing import check_launch
-from tests.standin.state import KNOBS, MALFORMS, MEMORY_TAGS, Reply, State
+from tests.standin.state import KNOBS, MALFORMS, MEMORY_TAGS, Reply, State, check_can_generate
 
 log = logging.getLogger("standin")
 
@@ -167,21 +173,39 @@ class Server(ThreadingHTTPServer):
 # ----------------------------------------------------------------------------- info, health, cache
 
 
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in ("0", "false")
+"""SGLang 0.5.23's /health is /health_generate unless this variable is false (srt/environ.py:344,
+entrypoints/http_server.py:745-749)."""
+
+
 def _health(st: State, body, query):
     if not st.ready.is_set() or st.stopping.is_set():
         raise Reply(503)
-    return None
+    return _health_generate(st, body, query) if HEALTH_GENERATES else None
 
 
 def _health_generate(st: State, body, query):
-    _health(st, body, query)
-    if st.released:
+    """One greedy token over token 0 when the scheduler is idle (entrypoints/http_server.py:751-785); skipped
+    while requests run (managers/scheduler.py:2241). The probe's own forward counts as a running request (a
+    release meanwhile trips the idle assert) and, with memory released, kills the server (state.py)."""
+    if not st.ready.is_set() or st.stopping.is_set():
         raise Reply(503)
-    if st.generate_inflight == 0:  # SGLang runs one token when idle, else trusts the running requests
+    with st.lock:
+        idle = st.generate_inflight == 0
+        if idle:
+            st.generate_inflight += 1
+    if not idle:
+        return None
+    try:
+        check_can_generate(st, "health_generate")
         from tests.standin.toy import ItemSampling
 
+        time.sleep(st.knobs["health_delay_s"])
         s = ItemSampling.from_params({"max_new_tokens": 1, "temperature": 0.0}, seed=0)
         next(iter(st.model.decoder([0], s)), None)
+    finally:
+        with st.lock:
+            st.generate_inflight -= 1
     return None
 
 

@@ -15,7 +15,7 @@ from tests.standin.rwlock import RWLock
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 KNOBS = {"delay_s": 0.0, "token_delay_s": 0.0, "fail_next": 0, "fail_status": 503, "malform": None,
-         "kill_after_tokens": None}
+         "kill_after_tokens": None, "health_delay_s": 0.0}
 MALFORMS = (None, "logprobs_short", "finish_reason", "output_ids", "not_list", "spec_negative")
 
 
@@ -90,10 +90,18 @@ class State:
         os._exit(1)
 
 
-def check_can_generate(st: State) -> None:
+def check_can_generate(st: State, what: str = "generate") -> None:
+    """Before a forward (a /generate request, or the one-token generation of /health).
+
+    With --enable-memory-saver, released weights or KV cache kill the server, as on a GPU under SGLang
+    0.5.23: a release does not pause the scheduler (scheduler_components/weight_updater.py:337-378), so the
+    request is scheduled and its forward reads weights and writes KV in address ranges torch_memory_saver
+    unmapped without a CPU copy; CUDA reports an illegal memory access and the scheduler process dies,
+    taking the server with it."""
     if st.released:
-        raise value_error(f"the stand-in refuses to generate while {sorted(st.released)} are released "
-                          "(release_memory_occupation); call /resume_memory_occupation first")
+        st.crash(what, RuntimeError(
+            f"CUDA error: an illegal memory access was encountered (a forward while {sorted(st.released)} are "
+            "released by /release_memory_occupation)"))
     if st.stale:
         raise value_error(f"the weights were resumed without --enable-weights-cpu-backup and {len(st.stale)} "
                           f"tensors were not updated since (e.g. {sorted(st.stale)[:3]}); update every weight first")

@@ -69,6 +69,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     check_generate_inputs,
 )
+from megatron_dapo.rollout.sglang import client
 from megatron_dapo.rollout.sglang import weights as sw
 from megatron_dapo.rollout.sglang.health import AllServersDown, Probe, ServerPool  # noqa: F401  (AllServersDown: API)
 from megatron_dapo.rollout.sglang.payloads import (  # noqa: F401  (re-exported: the engine's API)
@@ -181,12 +182,13 @@ class SGLangEngine(RolloutEngine):
         self._next_url = 0  # round-robin tie break between equally loaded servers
         self._abort_event = threading.Event()  # replaced by abort(); generate calls keep theirs
         self._streams: set[threading.Event] = set()  # the stop events of streaming calls in progress
-        self._pool = ThreadPoolExecutor(
-            max_workers=max_concurrency * len(self.urls), thread_name_prefix="sglang"
-        )
+        # Bounded whatever the batch size (sglang/client.py): requests in flight at once within the open-file
+        # limit, one shared connection pool.
+        soft, _ = client.raise_open_file_limit()
+        self.request_slots = client.request_slots(max_concurrency, len(self.urls), soft)
+        self._pool = ThreadPoolExecutor(max_workers=self.request_slots, thread_name_prefix="sglang")
         self._abort_pool = ThreadPoolExecutor(max_workers=ABORT_THREADS, thread_name_prefix="sglang-abort")
-        self._local = threading.local()
-        self._sessions: list[requests.Session] = []
+        self._http = client.shared_session(len(self.urls), min(max_concurrency, self.request_slots))
         self._sessions_lock = threading.Lock()
         self._weight_group = None
         self._weight_group_name: str | None = None
@@ -202,7 +204,8 @@ class SGLangEngine(RolloutEngine):
             raise
         self.pool = ServerPool(self.urls, self._slot_free, probe=self.probe, expected_version=lambda: self._policy_version,
                                interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart,
-                               model=self.model_identity)
+                               model=self.model_identity, busy=lambda url: self._inflight[url] > 0,
+                               post=lambda url, path, body: self._post_control(url, path, body, self.control_timeout_s))
         self.pool.start()
 
     def _connect(self, *, require_deterministic: bool, require_memory_saver: bool) -> None:
@@ -299,10 +302,8 @@ class SGLangEngine(RolloutEngine):
         aborted = self._abort_event
         failed = threading.Event()  # set when one batch fails: the others stop before sending
         call_id = uuid.uuid4().hex[:12]
-        futures = [
-            self._pool.submit(self._run_batch, batch, sampling, f"{call_id}-{k}", aborted, failed)
-            for k, batch in enumerate(batches)
-        ]
+        futures = self._submit_all([(self._run_batch, batch, sampling, f"{call_id}-{k}", aborted, failed)
+                                    for k, batch in enumerate(batches)], failed)
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:
@@ -311,6 +312,22 @@ class SGLangEngine(RolloutEngine):
                     other.cancel()
                 raise f.exception()
         return [s for f in futures for s in f.result()]
+
+    def _submit_all(self, calls: list[tuple], failed: threading.Event) -> list:
+        """Queue every call on the worker pool (request_slots threads: the rest of the batch waits here). A
+        thread that cannot start (the user's process or thread limit) is the client's error, named so."""
+        futures = []
+        try:
+            for fn, *args in calls:
+                futures.append(self._pool.submit(fn, *args))
+        except RuntimeError as e:
+            failed.set()
+            for f in futures:
+                f.cancel()
+            raise RolloutEngineError(f"the SGLang client could not start a worker thread ({e}): the process or "
+                                     f"thread limit (ulimit -u) is below the {self.request_slots} request slots "
+                                     "(rollout.max_concurrency x servers, within the open-file limit)") from e
+        return futures
 
     supports_streaming = True
 
@@ -331,9 +348,15 @@ class SGLangEngine(RolloutEngine):
         running: dict[str, tuple[str, list[str]]] = {}  # batch id -> (url, rids) of requests on a server
         with self._sessions_lock:
             self._streams.add(stop)
-        futures = {self._pool.submit(self._run_batch, [(p, j) for j in range(sampling.n)], sampling,
-                                     f"{call_id}-{k}", stop, failed, running): k
-                   for k, p in enumerate(prompts)}
+        try:
+            submitted = self._submit_all([(self._run_batch, [(p, j) for j in range(sampling.n)], sampling,
+                                           f"{call_id}-{k}", stop, failed, running) for k, p in enumerate(prompts)],
+                                         failed)
+        except BaseException:
+            with self._sessions_lock:
+                self._streams.discard(stop)
+            raise
+        futures = {f: k for k, f in enumerate(submitted)}
         groups: list[list[Sample] | None] = [None] * len(prompts)
         pending, stopped, aborted_at = set(futures), False, {}
         try:
@@ -482,7 +505,7 @@ class SGLangEngine(RolloutEngine):
                 self._release_url(url, len(rids))
                 return None, None, rids
             try:
-                r = self._session().post(
+                r = self._http.post(
                     url + "/generate", json=payload, timeout=(self.connect_timeout_s, self.request_timeout_s)
                 )
             except requests.Timeout as e:
@@ -491,6 +514,11 @@ class SGLangEngine(RolloutEngine):
                 attempt += 1
                 continue
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+                if client.is_client_resource_error(e):  # this process is out of sockets: the server is fine
+                    last_error, timed_out = (f"the client ran out of file descriptors or socket memory ({e}); "
+                                             f"raise the open-file limit (ulimit -n)"), False
+                    attempt += 1
+                    continue
                 # The server is gone (refused, or the connection dropped mid-request): it leaves the rotation
                 # and the request goes at once to another server, without using up a retry (a server that
                 # keeps coming back and failing does, after one re-issue per server).
@@ -536,9 +564,9 @@ class SGLangEngine(RolloutEngine):
                 return
 
     def _admits(self, url: str, items: int) -> bool:
-        """Whether `url` takes a request of `items` sequences now: it is up (health.py), has fewer than
-        max_concurrency requests, and the sequences fit what it decodes at once (its capacity; a request
-        larger than that alone)."""
+        """Whether `url` takes a request of `items` sequences now: it is up (health.py: not paused, nothing
+        released, current weights), has fewer than max_concurrency requests, and the sequences fit what it
+        decodes at once (its capacity; a request larger than that alone)."""
         cap, busy = self.capacity.get(url), self._inflight_items[url]
         return (self.pool is None or self.pool.is_up(url)) and self._inflight[url] < self.max_concurrency and (
             cap is None or busy == 0 or busy + items <= cap)
@@ -559,6 +587,9 @@ class SGLangEngine(RolloutEngine):
                     self._inflight_items[url] += items
                     self._next_url = (self.urls.index(url) + 1) % n
                     return url
+                if self.pool is not None and self.pool.only_released():
+                    raise RolloutEngineError("generation while the servers' memory is released: call "
+                                             "resume_memory first (SGLang would run it over freed memory)")
                 if self.pool is not None and not self.pool.up():
                     self.pool.check_any_up()
                     self._slot_free.wait(min(self.pool.interval_s, self.pool.remaining_s()) + 0.01)
@@ -572,13 +603,7 @@ class SGLangEngine(RolloutEngine):
             self._slot_free.notify_all()
 
     def _session(self) -> requests.Session:
-        s = getattr(self._local, "session", None)
-        if s is None:
-            s = requests.Session()
-            self._local.session = s
-            with self._sessions_lock:
-                self._sessions.append(s)
-        return s
+        return self._http
 
     # ----------------------------------------------------------------------------- control
 
@@ -603,48 +628,42 @@ class SGLangEngine(RolloutEngine):
         """Stop every server's scheduler from decoding (POST /pause_generation, every supported release):
         "in_place" holds the running requests with their KV cache until `continue_generation`, "retract"
         puts them back in the waiting queue (their cache may be dropped and recomputed), "abort" ends
-        them with their partial output."""
+        them with their partial output. Paused servers take no new requests (they wait here) and are probed
+        without a generation; a server that fails the call is marked down (health.py)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}")
-        if self.pool is not None:  # a paused server fails /health (it generates a token): not a fault
-            self.pool.paused = True
-        self._post_all("/pause_generation", {"mode": mode})
+        self.pool.pause(mode)
 
     def continue_generation(self) -> None:
-        """Resume decoding on every server after `pause_generation`."""
-        self._post_all("/continue_generation", {})
-        if self.pool is not None:
-            self.pool.paused = False
+        """Resume decoding on every paused server after `pause_generation`."""
+        self.pool.resume_generation()
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
-        """Free weights and KV cache (tags: None = all; or ["weights"], ["kv_cache"]). Needs --enable-memory-saver."""
-        self._post_all("/release_memory_occupation", {"tags": None if tags is None else list(tags)})
+        """Free weights and KV cache (tags: None = all; or ["weights"], ["kv_cache"]). Needs --enable-memory-saver.
+        Each server once idle (no request, no generating probe in flight); from here on no request or
+        generating probe reaches it until it is resumed (health.py)."""
+        self.pool.release(tags)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        self._post_all("/resume_memory_occupation", {"tags": None if tags is None else list(tags)})
+        """Re-take what release_memory freed, each server only the tags it released (SGLang kills a server
+        asked to resume a tag it holds)."""
+        self.pool.resume(tags)
 
     def flush_cache(self) -> None:
         self._post_all("/flush_cache", None)
 
     def health(self, *, deep: bool = False) -> dict[str, Any]:
-        """Per server: /health (or /health_generate when deep, which runs one generation) and its model info."""
+        """Per server: its state, whether it answers (with `deep`, /health: a generation, only on servers
+        that hold their memory and are not paused) and its model info."""
         servers = []
         for url in self.urls:
-            entry: dict[str, Any] = {"url": url, "healthy": False}
-            try:
-                r = self._session().get(
-                    url + ("/health_generate" if deep else "/health"), timeout=self.control_timeout_s
-                )
-                entry["healthy"] = r.status_code == 200
-                if r.status_code != 200:
-                    entry["error"] = f"HTTP {r.status_code}"
-                else:
-                    info = self._session().get(url + self.features.model_info_path, timeout=self.control_timeout_s)
-                    entry["model_info"] = info.json() if info.status_code == 200 else None
-            except (requests.RequestException, ValueError) as e:
-                entry["error"] = f"{type(e).__name__}: {e}"
-            if self.pool is not None:
-                entry["state"] = self.pool.state[url]
+            entry: dict[str, Any] = {"url": url, "state": self.pool.state[url]}
+            p = self.pool.check(url) if deep else self.probe(url, deep=False)
+            entry["healthy"] = p.answers
+            if p.answers:
+                entry["model_info"] = p.info
+            else:
+                entry["error"] = p.error
             servers.append(entry)
         return {
             "healthy": all(s["healthy"] for s in servers),
@@ -654,7 +673,8 @@ class SGLangEngine(RolloutEngine):
 
     def probe(self, url: str, *, deep: bool = True) -> Probe:
         """One health check (health.py): /health when `deep` (SGLang runs a one-token generation when idle,
-        so a hung scheduler fails it), then the weight version from /model_info."""
+        so a hung scheduler fails it: the pool asks for it only on servers that hold their memory and are
+        not paused), then the weight version from /model_info (no forward)."""
         try:
             if deep:
                 r = requests.get(url + "/health", timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
@@ -662,30 +682,36 @@ class SGLangEngine(RolloutEngine):
                     return Probe(False, error=f"/health: HTTP {r.status_code}")
             r = requests.get(url + self.features.model_info_path, timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
         except requests.ConnectionError as e:
+            if client.is_client_resource_error(e):
+                return Probe(False, error=f"client out of file descriptors: {e}")
             return Probe(False, error=f"{type(e).__name__}: {e}", refused=not isinstance(e, requests.Timeout))
         except requests.RequestException as e:
             return Probe(False, error=f"{type(e).__name__}: {e}")
         if r.status_code != 200:
             return Probe(False, error=f"{self.features.model_info_path}: HTTP {r.status_code}")
+        info = None
         try:
             info = r.json()
             version = info.get("weight_version")
             model = (info.get("model_type"), tuple(info.get("architectures") or ()))
         except (ValueError, AttributeError, TypeError):
             version, model = None, (None, ())
-        return Probe(True, weight_version=None if version is None else str(version), model=model)
+        return Probe(True, weight_version=None if version is None else str(version), model=model,
+                     info=info if isinstance(info, dict) else None)
 
     def refresh(self) -> list[str]:
-        """Before a weight sync, every server checked at once: one taking requests by /model_info (a refused
-        connection takes it down), one that is down by /health (answering, it joins this sync: stale, or up
-        with the current weights). Returns the servers the sync feeds (up and stale ones); with none, waits
-        for one to answer up to server_down_timeout_s, then AllServersDown."""
+        """Before a weight sync, every server checked at once: a live one by /model_info (a refused
+        connection takes it down), one that is down or restarting by the pool's check (answering, it joins
+        this sync: stale, or up with the current weights). Returns the servers the sync feeds (live ones);
+        with none, waits for one to answer up to server_down_timeout_s, then AllServersDown."""
         def check(url: str) -> None:
-            down = self.pool.state[url] == "down"
-            p = self.probe(url, deep=down)
-            if down and p.answers:
-                self.pool.observe(url, p)
-            elif not down and p.refused:
+            if self.pool.state[url] in ("down", "restarting"):
+                p = self.pool.check(url)
+                if p.answers:
+                    self.pool.observe(url, p)
+                return
+            p = self.probe(url, deep=False)
+            if p.refused:
                 self.pool.mark_down(url, p.error)
 
         with ThreadPoolExecutor(max_workers=min(len(self.urls), 32)) as pool:
@@ -698,8 +724,8 @@ class SGLangEngine(RolloutEngine):
             self.pool.confirm(url, version)
 
     def _post_all(self, path: str, payload: Any, *, timeout_s: float | None = None, check: bool = True):
-        """POST the same payload to every server not known to be down (see `_post_bodies`)."""
-        urls = self.urls if self.pool is None else self.pool.sync_targets()
+        """POST the same payload to every live server (see `_post_bodies`)."""
+        urls = self.urls if self.pool is None else self.pool.live()
         return self._post_bodies(path, [payload] * len(urls), timeout_s=timeout_s, check=check, urls=urls)
 
     def _post_bodies(
@@ -744,11 +770,11 @@ class SGLangEngine(RolloutEngine):
             return
         opened = self._post_all("/begin_weight_update", {"selector": selector}, check=False)
         failed = [f"{u}/begin_weight_update: {e}" for u, e in opened if e is not None]
-        if failed:  # close the ones that did open, so the next begin is not refused as "already open"
-            for url, err in opened:
-                if err is None:
-                    self._post_control(url, "/end_weight_update", {}, self.control_timeout_s)
+        if failed and len(failed) == len(opened):
             raise EngineRequestError("; ".join(failed))
+        for url, err in opened:  # one server failing leaves the sync to the others (health.py)
+            if err is not None:
+                self.pool.mark_down(url, f"/begin_weight_update: {err}")
         self._weight_session = selector
         try:
             yield
@@ -898,7 +924,4 @@ class SGLangEngine(RolloutEngine):
         self._abort_event.set()  # wakes batches waiting in a backoff
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._abort_pool.shutdown(wait=True, cancel_futures=True)
-        with self._sessions_lock:
-            for s in self._sessions:
-                s.close()
-            self._sessions.clear()
+        self._http.close()

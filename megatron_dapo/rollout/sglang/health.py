@@ -1,20 +1,49 @@
-"""Which SGLang servers take work: a server that stops answering leaves the rotation at once, the requests
-it held go to the others, and it comes back only with the weights the trainer last pushed.
+"""One state per SGLang server, owned by the pool: which servers take work, what their memory holds, and
+every control call that changes either. No call SGLang 0.5.23 would crash on can be made through it.
 
-A server is in one of three states:
+The states (`state[url]`):
 
 - up: takes generation requests.
-- down: a request to it failed to connect or lost its connection (the process is gone: SIGKILL, OOM, a
-  lost node), or `fail_after` health checks in a row failed (a hung server). It takes nothing; it is
-  polled every `interval_s`, and a server the trainer launched is restarted (`restart`, once per failure).
-- stale: answers again, but reports another weight version than the one the engine's servers hold (a
-  restarted server holds the checkpoint it was launched from). It takes no requests; the next weight sync
-  includes it (`sync_targets`), and it is back up once it reports that sync's version (`confirm`).
+- paused: /pause_generation holds its scheduler (a push into running generation); takes no new requests.
+- released: some of its memory tags are released (/release_memory_occupation: colocated servers while the
+  actor trains); `released[url]` says which. It takes no requests and gets no generating probe.
+- down: a request or control call to it failed to connect or lost its connection (the process is gone:
+  SIGKILL, OOM, a lost node), or it failed `fail_after` checks in a row (hung). It takes nothing.
+- restarting: a server the trainer launched is being relaunched (`restart`, once per failure).
+- stale: answers, but with another weight version than the other servers (a restarted one holds the
+  checkpoint it was launched from). It takes no requests; the next weight sync feeds it (`sync_targets`)
+  and it is up once it reports that sync's version (`confirm`).
 
-The poller is one daemon thread: every `interval_s` it probes each server (`probe(url, deep=True)`: /health,
-then the weight version from /model_info; `deep=False` reads the version only). With no server up for
-`down_timeout_s`, `check_any_up` (from the engine's wait for a server, and `wait_for_targets` before a sync)
-raises AllServersDown, naming every server and its last error: the run stops instead of waiting forever.
+What SGLang 0.5.23 does that the states rule out (read in its source; tests/standin mirrors each rule):
+
+- /health *is* a one-token generation when the scheduler is idle (entrypoints/http_server.py:721-785,
+  SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION defaults to true in srt/environ.py:344; the scheduler skips it
+  only when busy, managers/scheduler.py:2241). A forward over released weights or KV cache reads memory
+  torch_memory_saver unmapped: the scheduler dies. So a released or paused server is probed by /model_info
+  only (the tokenizer manager answers it, no forward); the generating probe runs only on servers that
+  hold all their memory.
+- /release_memory_occupation asserts the scheduler is fully idle
+  (managers/scheduler_components/weight_updater.py:338-341): a release waits until the server has no
+  generation request and no generating probe in flight (the probe's own generation counts), and new
+  probes of it stop generating before the wait starts.
+- /resume_memory_occupation removes each tag from `offload_tags` (weight_updater.py:383-390): a tag that
+  was not released is a KeyError and the scheduler dies. A resume sends each server only the tags it
+  released; a restarted server holds nothing released.
+
+Colocated restarts. Between a release and the next resume the actor trains at its peak on the servers'
+GPUs: a server that dies then is relaunched only when the rollout phase begins (the first resume, after
+the trainer gave back what the servers were planned without). A relaunched server that answers while the
+others are still released is released at once; it joins a weight sync after the resume it then goes
+through. Disaggregated servers (never released) are relaunched at once, as before.
+
+Control calls (pause, continue, release, resume) go to every live server; one that fails is marked down
+(and restarted when launched here) and the call goes on with the rest. Only when every server failed does
+it raise AllServersDown, naming each.
+
+The poller is one daemon thread: every `interval_s` it probes each server (`probe(url, deep=...)`; deep:
+/health, then the weight version from /model_info). With no server up for `down_timeout_s`,
+`check_any_up` (from the engine's wait for a server, and `wait_for_targets` before a sync) raises
+AllServersDown, naming every server and its last error: the run stops instead of waiting forever.
 
 Every change is an event (`events`, with monotonic and wall-clock times) and counted (`take_counts`): the
 trainer logs the counts as metrics each step (docs/metrics.md, rollout/server_*).
@@ -27,20 +56,25 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_dapo.rollout.base import RolloutEngineError
 
 log = logging.getLogger(__name__)
 
-UP, DOWN, STALE = "up", "down", "stale"
+UP, PAUSED, RELEASED, DOWN, RESTARTING, STALE = "up", "paused", "released", "down", "restarting", "stale"
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's GPU_MEMORY_ALL_TYPES: what a release or resume with tags=None means."""
 COUNTERS = ("failures", "reissued_requests", "restarts", "readmitted")
 """What take_counts reports: servers lost, requests re-sent after their server was lost, restarts of
 servers the trainer launched, servers back in rotation."""
+IDLE_WAIT_S = 60.0
+"""Longest wait, before a release, for a server's generation requests and generating probe to return."""
 
 
 class AllServersDown(RolloutEngineError):
-    """No SGLang server took requests for rollout.server_down_timeout_s; the message names each one."""
+    """No SGLang server took requests for rollout.server_down_timeout_s, or a control call failed on every
+    server; the message names each one."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +89,14 @@ class Probe:
     """The connection was refused or reset: the process is gone, no need to wait for more failures."""
     model: tuple | None = None
     """(model_type, architectures) from /model_info; None: not read."""
+    info: dict | None = field(default=None, compare=False)
+    """The /model_info reply as read."""
 
 
 @dataclass(frozen=True)
 class ServerEvent:
     kind: str
-    """down, reissue, restart, answering (back, stale), readmitted, refused."""
+    """down, reissue, restart, restart_deferred, answering (back, stale), readmitted, refused, released."""
     url: str
     detail: str
     t: float
@@ -69,84 +105,158 @@ class ServerEvent:
     """time.time() of the event."""
 
 
+@dataclass
+class _Server:
+    """What the pool knows of one server (guarded by the pool's `cond`)."""
+
+    life: str = UP
+    """UP, STALE, DOWN or RESTARTING: is the process there, and with which weights."""
+    released: frozenset = frozenset()
+    """Memory tags released and not resumed (kept while down: the same process may answer again)."""
+    paused: bool = False
+    probing: int = 0
+    """Generating probes in flight."""
+    misses: int = 0
+    last_error: str = ""
+    restart_due: bool = False
+    """Died while the actor trained: relaunched when the rollout phase begins."""
+
+    @property
+    def state(self) -> str:
+        if self.life in (DOWN, RESTARTING):
+            return self.life
+        if self.released:
+            return RELEASED
+        return PAUSED if self.paused else self.life
+
+
 class ServerPool:
     """The state of each server (see the module docstring). Thread-safe; `cond` is the engine's condition
-    that requests wait on for a free server, notified whenever a server comes up."""
+    that requests wait on for a free server, notified whenever a server's state changes."""
 
     def __init__(self, urls: Sequence[str], cond: threading.Condition, *, probe: Callable[..., Probe],
                  expected_version: Callable[[], int], interval_s: float = 5.0, down_timeout_s: float = 600.0,
-                 fail_after: int = 3, restart: Callable[[str], None] | None = None, model: tuple | None = None):
+                 fail_after: int = 3, restart: Callable[[str], None] | None = None, model: tuple | None = None,
+                 post: Callable[[str, str, object], str | None] | None = None,
+                 busy: Callable[[str], bool] = lambda url: False):
         """model: the (model_type, architectures) the servers reported at connect; a server that comes back
-        serving another model stays down."""
+        serving another model stays down. post(url, path, body): one control request, None on success else
+        the error text. busy(url): the server has generation requests in flight (the engine's count)."""
         if not interval_s > 0 or not down_timeout_s > 0 or fail_after < 1:
             raise ValueError(f"ServerPool: interval_s and down_timeout_s must be > 0 and fail_after >= 1, got "
                              f"{interval_s!r}, {down_timeout_s!r}, {fail_after!r}")
         self.urls = list(urls)
         self.cond = cond
         self.probe, self.expected_version, self.restart, self.model = probe, expected_version, restart, model
+        self.post, self.busy = post, busy
         self.interval_s, self.down_timeout_s, self.fail_after = float(interval_s), float(down_timeout_s), fail_after
-        self.state = dict.fromkeys(self.urls, UP)
-        self.last_error = dict.fromkeys(self.urls, "")
-        self._misses = dict.fromkeys(self.urls, 0)
+        self._s = {u: _Server() for u in self.urls}
+        self._phase_tags: frozenset = frozenset()
+        """Tags released on the servers now (the actor trains in that memory); empty in the rollout phase."""
+        self._deferring = False
+        """From a release to the next resume: restarts of colocated servers wait for the rollout phase."""
         self._none_up_since: float | None = None
         self.events: list[ServerEvent] = []
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.paused = False
-        """Generation is paused on the servers (SGLangEngine.pause_generation): /health, which generates a
-        token, cannot answer then; failed checks of up servers do not count (a refused connection still does)."""
 
     # ------------------------------------------------------------------------------------ queries
+    @property
+    def state(self) -> dict[str, str]:
+        with self.cond:
+            return {u: s.state for u, s in self._s.items()}
+
+    @property
+    def released(self) -> dict[str, frozenset]:
+        with self.cond:
+            return {u: s.released for u, s in self._s.items()}
+
+    @property
+    def last_error(self) -> dict[str, str]:
+        with self.cond:
+            return {u: s.last_error for u, s in self._s.items()}
+
     def is_up(self, url: str) -> bool:
-        return self.state[url] == UP
+        """Takes generation requests now."""
+        return self._s[url].state == UP
 
     def up(self) -> list[str]:
         with self.cond:
-            return [u for u in self.urls if self.state[u] == UP]
+            return [u for u in self.urls if self._s[u].state == UP]
+
+    def live(self) -> list[str]:
+        """The servers whose process answers, whatever their memory or pause (not down, not restarting)."""
+        with self.cond:
+            return [u for u in self.urls if self._s[u].life in (UP, STALE)]
 
     def sync_targets(self) -> list[str]:
-        """The servers a weight sync feeds: up and stale ones (stale ones come back up with it)."""
-        with self.cond:
-            return [u for u in self.urls if self.state[u] != DOWN]
+        """The servers a weight sync feeds: every live one (stale ones come back up with it)."""
+        return self.live()
+
+    def only_released(self) -> bool:
+        """Some server runs the current weights, and every such server has memory released: generation now
+        is the caller's error (resume first), not a fault to wait out (call with `cond` held)."""
+        current = [s for s in self._s.values() if s.life == UP]
+        return bool(current) and all(s.released for s in current)
 
     def take_counts(self) -> dict[str, int]:
         """The counters since the last call, and how many servers are up now."""
         with self.cond:
             out, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
-            out["up"] = sum(s == UP for s in self.state.values())
+            out["up"] = sum(s.life == UP for s in self._s.values())
         return out
 
     def _event(self, kind: str, url: str, detail: str) -> None:
         self.events.append(ServerEvent(kind, url, detail, time.monotonic(), time.time()))
-        (log.info if kind in ("answering", "readmitted", "reissue") else log.warning)(
+        (log.info if kind in ("answering", "readmitted", "reissue", "released") else log.warning)(
             "SGLang server %s: %s (%s)", url, kind, detail)
 
-    # ------------------------------------------------------------------------------------ changes
+    # ------------------------------------------------------------------------------------ failures
     def mark_down(self, url: str, error: str) -> None:
         """Take `url` out of rotation (its process is gone or it stopped answering); restart it when the
-        trainer launched it."""
+        trainer launched it: now, or when the rollout phase begins if the actor is training."""
+        start = False
         with self.cond:
-            if self.state[url] == DOWN:
+            s = self._s[url]
+            if s.life in (DOWN, RESTARTING):
                 return
-            self.state[url], self.last_error[url], self._misses[url] = DOWN, error, 0
+            s.life, s.last_error, s.misses = DOWN, error, 0
             self._counts["failures"] += 1
             self._event("down", url, error)
-            if not any(s == UP for s in self.state.values()) and self._none_up_since is None:
+            if not any(x.life == UP for x in self._s.values()) and self._none_up_since is None:
                 self._none_up_since = time.monotonic()
             self.cond.notify_all()  # requests waiting for a server re-check (and may give up)
             if self.restart is not None:
                 self._counts["restarts"] += 1
-                self._event("restart", url, "relaunching the server the trainer started")
-        if self.restart is not None:
-            threading.Thread(target=self._restart, args=(url,), name=f"sglang-restart-{url}", daemon=True).start()
+                if self._deferring:
+                    s.restart_due = True
+                    self._event("restart_deferred", url, "the actor trains on its GPUs: relaunched when the "
+                                                         "rollout phase begins")
+                else:
+                    start = self._begin_restart(url)
+        if start:
+            self._spawn_restart(url)
+
+    def _begin_restart(self, url: str) -> bool:
+        """(cond held) The old process goes: a relaunched one holds all its memory and is not paused."""
+        s = self._s[url]
+        s.life, s.released, s.paused, s.restart_due = RESTARTING, frozenset(), False, False
+        self._event("restart", url, "relaunching the server the trainer started")
+        return True
+
+    def _spawn_restart(self, url: str) -> None:
+        threading.Thread(target=self._restart, args=(url,), name=f"sglang-restart-{url}", daemon=True).start()
 
     def _restart(self, url: str) -> None:
         try:
             self.restart(url)
         except Exception as e:  # noqa: BLE001 - the poller keeps it down; logged with the reason
             with self.cond:
-                self.last_error[url] = f"restart failed: {type(e).__name__}: {e}"
+                s = self._s[url]
+                if s.life == RESTARTING:
+                    s.life = DOWN
+                s.last_error = f"restart failed: {type(e).__name__}: {e}"
             log.error("SGLang server %s: restart failed: %s", url, e)
 
     def note_reissue(self, url: str, survivor: str, requests: int = 1) -> None:
@@ -156,10 +266,12 @@ class ServerPool:
             self._event("reissue", url, f"request re-sent to {survivor}")
 
     def mark_up(self, url: str, why: str) -> None:
+        """Back with the current weights (its memory and pause state unchanged)."""
         with self.cond:
-            if self.state[url] == UP:
+            s = self._s[url]
+            if s.life == UP:
                 return
-            self.state[url], self.last_error[url], self._misses[url] = UP, "", 0
+            s.life, s.last_error, s.misses = UP, "", 0
             self._counts["readmitted"] += 1
             self._none_up_since = None
             self._event("readmitted", url, why)
@@ -169,23 +281,123 @@ class ServerPool:
         """After a weight sync to `url`: up when it reports `version`, else down (it missed the sync)."""
         p = self.probe(url, deep=False)
         if p.answers and p.weight_version in (None, str(version)):  # None: a release that does not report it
-            if self.state[url] != UP:
-                self.mark_up(url, f"reports weight version {version} after the sync")
+            self.mark_up(url, f"reports weight version {version} after the sync")
             return
         self.mark_down(url, p.error or f"reports weight version {p.weight_version!r} after the sync of version "
                                         f"{version}")
 
+    # ------------------------------------------------------------------------------------ control calls
+    def _post_each(self, path: str, bodies: dict[str, object], timeout_what: str) -> dict[str, str | None]:
+        """POST bodies[url] to each url concurrently; {url: error or None}. A failure marks the server down;
+        AllServersDown when every one failed."""
+        if not bodies:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(len(bodies), 32), thread_name_prefix="sglang-control") as ex:
+            errors = dict(zip(bodies, ex.map(lambda u: self.post(u, path, bodies[u]), bodies), strict=True))
+        for url, err in errors.items():
+            if err is not None:
+                self.mark_down(url, f"{path}: {err}")
+        if all(err is not None for err in errors.values()):
+            listed = "; ".join(f"{u}{path}: {e}" for u, e in errors.items())
+            raise AllServersDown(f"{timeout_what} failed on every server: {listed}")
+        return errors
+
+    def pause(self, mode: str) -> None:
+        """/pause_generation on every live server. Paused servers take no requests and get no generating
+        probe (a paused scheduler cannot answer one)."""
+        with self.cond:
+            urls = [u for u in self.urls if self._s[u].life in (UP, STALE)]
+            for u in urls:
+                self._s[u].paused = True
+        self._post_each("/pause_generation", dict.fromkeys(urls, {"mode": mode}), "pause_generation")
+
+    def resume_generation(self) -> None:
+        """/continue_generation on every paused server."""
+        with self.cond:
+            urls = [u for u in self.urls if self._s[u].paused and self._s[u].life in (UP, STALE)]
+        errors = self._post_each("/continue_generation", dict.fromkeys(urls, {}), "continue_generation")
+        with self.cond:
+            for u, err in errors.items():
+                if err is None:
+                    self._s[u].paused = False
+            self.cond.notify_all()
+
+    def release(self, tags: Sequence[str] | None) -> None:
+        """/release_memory_occupation of `tags` (None: all) on every live server that holds them, each once
+        it is idle: no generation request and no generating probe in flight. From here on the servers take
+        no requests and get no generating probe, and a server that dies is relaunched only when the rollout
+        phase begins (`resume`)."""
+        want = frozenset(MEMORY_TAGS if tags is None else tags)
+        with self.cond:
+            self._deferring = True
+            self._phase_tags |= want
+            todo = {u: want - s.released for u, s in self._s.items() if s.life in (UP, STALE) and want - s.released}
+            for u, new in todo.items():  # from now on: no new requests, no new generating probes
+                self._s[u].released |= new
+            self.cond.notify_all()
+            deadline = time.monotonic() + IDLE_WAIT_S
+            while any(self._s[u].probing or self.busy(u) for u in todo):
+                left = deadline - time.monotonic()
+                if left <= 0:  # nothing was posted: the servers hold what they held
+                    for u, new in todo.items():
+                        self._s[u].released -= new
+                    stuck = [u for u in todo if self._s[u].probing or self.busy(u)]
+                    raise RolloutEngineError(f"release_memory: servers {stuck} still run requests after "
+                                             f"{IDLE_WAIT_S:g} s; SGLang kills a server released while busy")
+                self.cond.wait(min(left, 0.05))
+        self._post_each("/release_memory_occupation", {u: {"tags": sorted(t)} for u, t in todo.items()},
+                        "release_memory_occupation")
+
+    def resume(self, tags: Sequence[str] | None) -> None:
+        """/resume_memory_occupation of `tags` (None: all), each server only the ones it released. The first
+        resume after a release begins the rollout phase: the relaunches deferred meanwhile start now (the
+        trainer has given back the memory the servers were planned with)."""
+        want = frozenset(MEMORY_TAGS if tags is None else tags)
+        with self.cond:
+            due = []
+            if self._deferring:
+                self._deferring = False
+                due = [u for u, s in self._s.items() if s.restart_due and s.life == DOWN and self._begin_restart(u)]
+            self._phase_tags -= want
+            todo = {u: want & s.released for u, s in self._s.items()
+                    if s.life in (UP, STALE) and want & s.released}
+        for u in due:
+            self._spawn_restart(u)
+        errors = self._post_each("/resume_memory_occupation", {u: {"tags": sorted(t)} for u, t in todo.items()},
+                                 "resume_memory_occupation")
+        with self.cond:
+            for u, err in errors.items():
+                if err is None:
+                    self._s[u].released -= todo[u]
+            self.cond.notify_all()
+
+    def _join_phase(self, url: str) -> bool:
+        """A server that answers again while the others are released (a relaunch slower than the rollout
+        phase): release what they released, so it holds no memory the actor trains in. False: it failed."""
+        with self.cond:
+            s = self._s[url]
+            new = self._phase_tags - s.released if self._deferring else frozenset()
+            if not new:
+                return True
+            s.released |= new  # no generating probe from here on
+        err = self.post(url, "/release_memory_occupation", {"tags": sorted(new)})
+        if err is not None:
+            self.mark_down(url, f"/release_memory_occupation: {err}")
+            return False
+        with self.cond:
+            self._event("released", url, f"answered while the actor trains: released {sorted(new)}")
+        return True
+
     # ------------------------------------------------------------------------------------ waiting
     def check_any_up(self) -> None:
         """Raise AllServersDown once no server has been up for down_timeout_s (call with `cond` held)."""
-        if any(s == UP for s in self.state.values()):
+        if any(s.life == UP for s in self._s.values()):
             self._none_up_since = None
             return
         if self._none_up_since is None:
             self._none_up_since = time.monotonic()
         if time.monotonic() - self._none_up_since >= self.down_timeout_s:
-            listed = "; ".join(f"{u} ({self.state[u]}: {self.last_error[u] or 'no error recorded'})"
-                               for u in self.urls)
+            listed = "; ".join(f"{u} ({s.state}: {s.last_error or 'no error recorded'})" for u, s in self._s.items())
             raise AllServersDown(f"no SGLang server took requests for {self.down_timeout_s:g} s "
                                  f"(rollout.server_down_timeout_s): {listed}")
 
@@ -224,42 +436,60 @@ class ServerPool:
                 except Exception as e:  # noqa: BLE001 - the poller must outlive one bad round
                     log.error("SGLang health poll failed: %s", e)
 
+    def check(self, url: str) -> Probe:
+        """One probe of `url`, generating (/health) only when the server holds all its memory and is not
+        paused; a release waits for a generating probe in flight to return."""
+        with self.cond:
+            s = self._s[url]
+            deep = not s.released and not s.paused
+            if deep:
+                s.probing += 1
+        try:
+            return self.probe(url, deep=deep)
+        finally:
+            if deep:
+                with self.cond:
+                    s.probing -= 1
+                    self.cond.notify_all()
+
     def poll_once(self, pool: ThreadPoolExecutor | None = None) -> None:
         """Probe every server once and apply what it shows (the poller's round; tests call it directly)."""
-        results = list(pool.map(self.probe, self.urls)) if pool is not None else [self.probe(u) for u in self.urls]
+        results = list(pool.map(self.check, self.urls)) if pool is not None else [self.check(u) for u in self.urls]
         for url, p in zip(self.urls, results, strict=True):
             self.observe(url, p)
 
     def observe(self, url: str, p: Probe) -> None:
-        """Apply one probe of `url`: an up server's failures count (a refusal at once), a returning one is
-        readmitted with the current weights, else stale until a sync."""
-        state = self.state[url]
-        if state == UP:
+        """Apply one probe of `url`: a live server's failures count (a refusal at once); a returning one
+        joins the phase (released when the others are), then is readmitted with the current weights, else
+        stale until a sync."""
+        s = self._s[url]
+        if s.life in (UP, STALE):
             if p.answers:
-                self._misses[url] = 0
+                s.misses = 0
                 return
-            if self.paused and not p.refused:
-                return
-            self._misses[url] += 1
-            if p.refused or self._misses[url] >= self.fail_after:
+            s.misses += 1
+            if p.refused or s.misses >= self.fail_after:
                 self.mark_down(url, p.error or "health check failed")
             return
         if not p.answers:
             with self.cond:
-                self.last_error[url] = p.error or self.last_error[url]
+                s.last_error = p.error or s.last_error
             return
         if self.model is not None and p.model is not None and p.model != self.model:
             with self.cond:
                 error = f"serves model {p.model}, the others {self.model}"
-                if self.last_error[url] != error:
-                    self.last_error[url] = error
+                if s.last_error != error:
+                    s.last_error = error
                     self._event("refused", url, error)
+            return
+        if not self._join_phase(url):
             return
         version = self.expected_version()
         if p.weight_version == str(version):
             self.mark_up(url, f"answers again with weight version {version}")
-        elif state == DOWN:
-            with self.cond:
-                self.state[url] = STALE
+            return
+        with self.cond:
+            if s.life in (DOWN, RESTARTING):
+                s.life, s.misses = STALE, 0
                 self._event("answering", url, f"answers with weight version {p.weight_version!r}, the servers hold "
                                               f"{version}: back after the next weight sync")

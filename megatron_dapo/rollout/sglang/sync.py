@@ -23,6 +23,16 @@ Two transports, chosen per run (`rollout.weight_transport`):
   with torch's "file_system" sharing strategy (shared-memory file names, which any process on the node
   can open, like CUDA IPC handles and unlike the default file descriptors). Handles never leave a node.
 
+A server lost during a sync. With "ipc" every server gets its own POSTs: one that fails (its process died,
+or it refuses a bucket) gets nothing more in this sync, the others get everything, and the sync reports it
+in `SyncStats.lost` (the same on every rank) for the caller to take it out of rotation; only when every
+server is lost does the sync fail. With "distributed" the servers receive in one collective per stage, so
+a member that dies mid-bucket leaves the broadcast incomplete for everyone: each bucket is bounded by
+`bucket_timeout_s` (well under the group's timeout), after which the sender abandons its group (no NCCL
+watchdog teardown) and every rank raises the same WeightSyncError naming the servers that did not answer;
+the run resumes from its checkpoint. (The survivors stay blocked in that broadcast until their own group
+timeout, so re-forming the group with them at once is not possible.)
+
 Bytes per sync (P parameters of the stage, in the training dtype): the sender of a stage receives
 about P_stage*(tp-1)/tp over TP and the experts of the other EP ranks, and sends P_stage once per
 server TP rank in distributed mode (a broadcast: once on the wire per receiver with gloo; NCCL's ring
@@ -99,14 +109,22 @@ class SyncStats:
     bytes_gathered: int = 0
     """Bytes this rank received from other trainer ranks (TP / EP gathers, ipc fan-out)."""
     names: list[str] = field(default_factory=list)
+    lost: dict[str, str] = field(default_factory=dict)
+    """ipc: servers that failed a POST of this sync and got nothing after it, with the error (every rank)."""
+
+
+def post_each(urls: Sequence[str], path: str, bodies: Sequence[Any], *, timeout_s: float) -> dict[str, str | None]:
+    """POST bodies[i] to urls[i] concurrently; {url: error text or None}."""
+    with ThreadPoolExecutor(max_workers=max(min(len(urls), 32), 1)) as pool:
+        errors = list(pool.map(lambda u, b: post_control(u, path, b, timeout_s=timeout_s), urls, bodies))
+    return dict(zip(urls, errors, strict=True))
 
 
 def post_all(urls: Sequence[str], path: str, bodies: Sequence[Any], *, timeout_s: float) -> None:
     """POST bodies[i] to urls[i] concurrently; raise WeightSyncError naming every server that failed
     (an HTTP status other than 200, or a JSON `success: false`)."""
-    with ThreadPoolExecutor(max_workers=max(len(urls), 1)) as pool:
-        errors = list(pool.map(lambda u, b: post_control(u, path, b, timeout_s=timeout_s), urls, bodies))
-    failed = [f"{u}{path}: {e}" for u, e in zip(urls, errors, strict=True) if e is not None]
+    errors = post_each(urls, path, bodies, timeout_s=timeout_s)
+    failed = [f"{u}{path}: {e}" for u, e in errors.items() if e is not None]
     if failed:
         raise WeightSyncError("; ".join(failed))
 
@@ -179,7 +197,8 @@ class SGLangWeightSync:
     """Set up once (`setup`, a collective of every trainer rank), then `sync(version)` every step."""
 
     def __init__(self, servers: ServerSet, *, pgs, chunks: Sequence, arch: ModelArch, transport: str,
-                 bucket_bytes: int, timeout_s: float = 600.0, host: str | None = None,
+                 bucket_bytes: int, timeout_s: float = 600.0, bucket_timeout_s: float | None = None,
+                 host: str | None = None,
                  group_prefix: str = "megatron_dapo_w", drop_mtp: bool = True,
                  session: Callable[[str], None] | None = None, node: int | None = None,
                  node_leader: bool | None = None, selector: str | None = None):
@@ -189,13 +208,17 @@ class SGLangWeightSync:
         whether it is the node's first rank (default: torchrun's GROUP_RANK and LOCAL_RANK == 0).
         drop_mtp=False sends the MTP layers too, under the drafter's names; selector: the `selector` of
         every update body (SGLang 0.5.21+: "all" loads into the target and the drafter), None = absent
-        (rollout/sglang/drafter.py decides both)."""
+        (rollout/sglang/drafter.py decides both). timeout_s: joining a group; bucket_timeout_s (default
+        timeout_s): one bucket, from its first POST to the last server's reply (module docstring)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_transport must be one of {TRANSPORTS}, got {transport!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
         self.servers, self.pgs, self.chunks, self.arch = servers, pgs, list(chunks), arch
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.bucket_timeout_s = timeout_s if bucket_timeout_s is None else bucket_timeout_s
+        if not 0 < self.bucket_timeout_s <= timeout_s:
+            raise ValueError(f"bucket_timeout_s must be in (0, timeout_s={timeout_s:g}], got {bucket_timeout_s!r}")
         self.host = host or reachable_address(servers.urls)
         self.group_prefix, self.drop_mtp, self.session = group_prefix, drop_mtp, session
         self.selector = selector
@@ -215,6 +238,8 @@ class SGLangWeightSync:
         self._fanout_ranks: list[int] = []
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
         self._error: str | None = None  # this rank's first failure of the current collective step
+        self._lost: dict[str, str] = {}  # ipc: servers this rank saw fail in the current sync
+        self._abandoned: list = []  # groups of buckets that did not complete (kept, never destroyed: _abandon_group)
         self._flush = True  # the current sync flushes the servers' cache with its version (sync())
 
     # ------------------------------------------------------------------------------------ set-up
@@ -293,7 +318,7 @@ class SGLangWeightSync:
         the end of the stage every rank raises the same WeightSyncError naming the rank and the server."""
         t0 = time.perf_counter()
         stats, pgs = SyncStats(), self.pgs
-        self._error, self._flush = None, flush_cache
+        self._error, self._flush, self._lost = None, flush_cache, {}
         if targets is not None:
             unknown = sorted(set(targets) - set(self.servers.urls))
             if unknown or not targets:
@@ -325,6 +350,7 @@ class SGLangWeightSync:
         if pgs.rank == 0 and self.session is not None:
             self._guard(lambda: self.session("end"), "end the weight-update session")
         self._agree()
+        stats.lost = self._agree_lost()
         stats.bytes_gathered += traffic.get("received", 0)
         stats.bytes_sent += traffic.get("sent", 0)
         stats.seconds = time.perf_counter() - t0
@@ -349,6 +375,22 @@ class SGLangWeightSync:
         if failed:
             raise WeightSyncError("weight sync failed: " + "; ".join(failed))
 
+    def _agree_lost(self) -> dict[str, str]:
+        """ipc: the servers any rank lost in this sync, known on every rank; WeightSyncError when that is
+        every server fed (no server holds the new weights)."""
+        if self.pgs.world_size == 1:
+            merged = dict(self._lost)
+        else:
+            parts = [None] * self.pgs.world_size
+            dist.all_gather_object(parts, self._lost, group=self.pgs.ctrl)
+            merged = {u: e for part in parts for u, e in part.items()}
+        if merged:
+            log.warning("weight sync: %d of %d servers lost: %s", len(merged), len(self.active), merged)
+        if merged and set(merged) >= set(self.active_servers.urls):
+            raise WeightSyncError("weight sync failed on every server: " + "; ".join(
+                f"{u}: {e}" for u, e in merged.items()))
+        return merged
+
     def _stage_buckets(self, stats: SyncStats, traffic: dict):
         """Buckets of whole parameters (a parameter's HF pieces stay together), cut at bucket_bytes by
         the sizes every rank of the stage knows, so every rank of the stage cuts the same buckets; a
@@ -369,27 +411,55 @@ class SGLangWeightSync:
         if bucket:
             yield bucket
 
-    def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+    def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None,
+                          replied: dict | None = None) -> None:
+        """POST one bucket's update to every active server (`replied`: filled with each server's answer, as
+        it comes, for the deadline's message)."""
         body = sw.distributed_update_payload(tensors, group_name=self._group_name,
                                              flush_cache=version is not None and self._flush,
                                              weight_version=None if version is None else str(version))
         if self.selector is not None:
             body["selector"] = self.selector
         urls = self.active_servers.urls
-        try:
-            post_all(urls, "/update_weights_from_distributed", [body] * len(urls), timeout_s=self.timeout_s)
-        except WeightSyncError as e:
-            raise WeightSyncError(f"pipeline stage {self.pgs.pp_rank}: {e}") from e
+
+        def post(url: str) -> str | None:
+            err = post_control(url, "/update_weights_from_distributed", body, timeout_s=self.bucket_timeout_s)
+            if replied is not None:
+                replied[url] = err
+            return err
+
+        with ThreadPoolExecutor(max_workers=max(min(len(urls), 32), 1)) as pool:
+            errors = dict(zip(urls, pool.map(post, urls), strict=True))
+        failed = [f"{u}/update_weights_from_distributed: {e}" for u, e in errors.items() if e is not None]
+        if failed:
+            raise WeightSyncError(f"pipeline stage {self.pgs.pp_rank}: " + "; ".join(failed))
 
     def _send_bucket(self, bucket: list, stats: SyncStats) -> None:
         """Post the bucket's names / dtypes / shapes, broadcast its tensors in that order, wait for every
-        server's reply (the servers wait in the broadcasts meanwhile)."""
+        server's reply (the servers wait in the broadcasts meanwhile), all within bucket_timeout_s. A server
+        that fails or does not answer in time breaks the collective for every member: the group is
+        abandoned (`_abandon_group`) and the error names the servers that did not answer."""
         tensors = [(n, t.detach().contiguous()) for _, pieces, _ in bucket for n, t in pieces]
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            posting = pool.submit(self._post_distributed, tensors)
-            for _, t in tensors:
-                self._group.broadcast([t], dist.BroadcastOptions()).wait()
-            posting.result()
+        replied: dict[str, str | None] = {}
+        deadline = time.monotonic() + self.bucket_timeout_s
+        posting = _in_daemon_thread(self._post_distributed, tensors, replied=replied)
+        works = [self._group.broadcast([t], dist.BroadcastOptions()) for _, t in tensors]
+        while not (posting.done() and all(w.is_completed() for w in works)):
+            if posting.done() and posting.exception() is not None:
+                self._abandon_group()
+                raise posting.exception()
+            if time.monotonic() > deadline:
+                silent = [u for u in self.active_servers.urls if u not in replied]
+                self._abandon_group()
+                raise WeightSyncError(
+                    f"pipeline stage {self.pgs.pp_rank}: a bucket of {len(tensors)} tensors did not complete within "
+                    f"{self.bucket_timeout_s:g} s (rollout.weight_sync_bucket_timeout_s); no answer from "
+                    f"{silent or 'none (the broadcast did not complete)'}; answered: "
+                    f"{ {u: e or 'ok' for u, e in replied.items()} }")
+            time.sleep(0.002)
+        posting.result()
+        for w in works:
+            w.wait()  # a broadcast that ended in an error raises it here
         stats.buckets += 1
         stats.bytes_sent += sum(self.active_servers.tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
 
@@ -405,7 +475,8 @@ class SGLangWeightSync:
         post_here = self.node_leader and bool(mine)
 
         def deliver(spec, tensors, *, final: bool) -> None:
-            if not post_here:
+            live = [i for i in mine if self.servers.urls[i] not in self._lost]
+            if not post_here or not live or self._error is not None:
                 return
             named = [(name, t) for (name, _, _), t in zip(spec, tensors, strict=True)]
             flush = final and last_stage
@@ -413,12 +484,14 @@ class SGLangWeightSync:
                                                 for _ in range(self.servers.tp_sizes[i])],
                                                flush_cache=flush and self._flush,
                                                weight_version=str(version) if flush else None)
-                      for i in mine]
+                      for i in live]
             if self.selector is not None:
                 bodies = [{**b, "selector": self.selector} for b in bodies]
-            if self._error is None:
-                self._guard(lambda: post_all([self.servers.urls[i] for i in mine], "/update_weights_from_tensor",
-                                             bodies, timeout_s=self.timeout_s), f"stage {stage}, node {self.node}")
+            urls = [self.servers.urls[i] for i in live]
+            # Each server on its own: one that fails gets nothing more this sync (SyncStats.lost).
+            for url, err in post_each(urls, "/update_weights_from_tensor", bodies, timeout_s=self.timeout_s).items():
+                if err is not None:
+                    self._lost[url] = f"stage {stage}, node {self.node}: /update_weights_from_tensor: {err}"
             # The servers replied: they hold their own copies (or device views they opened), so the
             # bucket's tensors may be freed when this returns.
 
@@ -464,6 +537,24 @@ class SGLangWeightSync:
     def close(self) -> None:
         """Leave the weight-update group (servers first, then this side); idempotent."""
         self._leave_group(self.active_servers.urls)
+
+    def _abandon_group(self) -> None:
+        """After a bucket that did not complete: abort this side of the weight-update group where the backend
+        can (NCCL: no watchdog teardown of the sending rank later) and forget it; the servers are not asked
+        to destroy it (they are stuck in the broadcast or gone)."""
+        group, self._group = self._group, None
+        self._store = None
+        for target in (group, getattr(group, "_get_backend", lambda _d: None)(torch.device(
+                "cuda" if self.backend == "nccl" else "cpu"))):
+            abort = getattr(target, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                    break
+                except (RuntimeError, AttributeError) as e:
+                    log.debug("aborting %s: %s", self._group_name, e)
+        self._abandoned.append(group)  # not destroyed: a gloo group joins its worker threads on destruction,
+        # which a broadcast still waiting on a dead peer would hold until the group's timeout
 
     def _leave_group(self, urls) -> None:
         """distributed: the servers at `urls` destroy this sender's group (a lost one is not contacted), then

@@ -1,0 +1,89 @@
+"""The engine's HTTP client, bounded whatever the batch size: how many requests may be in flight at once
+(threads and sockets), one shared connection pool, and the errors that are the client's own.
+
+At the recipes' numbers rank 0 posts 1,536 generation requests per batch (24,576 rows in requests of 16). A
+thread and a socket per request would pass the common soft RLIMIT_NOFILE of 1,024: `socket()` then fails with
+EMFILE, requests reports a ConnectionError, and a client that reads that as a dead server takes healthy
+servers down. So:
+
+- at start the soft file limit is raised to the hard one (`raise_open_file_limit`);
+- the requests in flight at once (the engine's worker threads, each holding at most one socket while it
+  posts) are capped at what the limit leaves after FD_RESERVE for everything else the process opens
+  (`request_slots`); the rest of a batch waits in the client's queue, which costs nothing the servers
+  would not queue anyway;
+- one `requests.Session` shared by the threads keeps at most `per_host` idle connections per server;
+- EMFILE / ENFILE (`is_client_resource_error`) and a refused thread start are the client's errors, named as
+  such, never a server's.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import requests
+from requests.adapters import HTTPAdapter
+
+log = logging.getLogger(__name__)
+
+FD_RESERVE = 256
+"""File descriptors left for everything but generation requests: checkpoints, logs, the trainer's gloo and
+NCCL sockets, shared-memory handles, the control calls and health probes."""
+MIN_SLOTS = 16
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns (soft, hard) after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:  # a container may refuse; the slots then follow the soft limit
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, e)
+    return soft, hard
+
+
+def request_slots(max_concurrency: int, num_servers: int, soft_limit: int) -> int:
+    """Requests in flight at once: max_concurrency per server, capped by the open-file limit less
+    FD_RESERVE (one socket per request in flight), at least MIN_SLOTS."""
+    want = max_concurrency * num_servers
+    budget = max(MIN_SLOTS, soft_limit - FD_RESERVE) if soft_limit > 0 else want
+    if want > budget:
+        log.info("SGLang client: %d requests in flight at most (open-file limit %d), not %d", budget, soft_limit,
+                 want)
+    return min(want, budget)
+
+
+def shared_session(num_servers: int, per_host: int) -> requests.Session:
+    """One session for every worker thread: a connection pool per server keeping at most `per_host` idle
+    connections (more are opened while needed and closed after)."""
+    s = requests.Session()
+    adapter = HTTPAdapter(pool_connections=max(num_servers, 1), pool_maxsize=max(per_host, 1), max_retries=0)
+    s.mount("http://", adapter)
+    s.mount("https://", adapter)
+    return s
+
+
+def is_client_resource_error(exc: BaseException) -> bool:
+    """The exception (or one it wraps) is this process running out of file descriptors (EMFILE, ENFILE) or
+    memory for a socket (ENOBUFS, ENOMEM): the client's limit, not the server's failure."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            return True
+        if "Too many open files" in str(e):
+            return True
+        stack.extend([e.__cause__, e.__context__, *(a for a in getattr(e, "args", ()) if isinstance(a, BaseException))])
+        reason = getattr(e, "reason", None)
+        if isinstance(reason, BaseException):
+            stack.append(reason)
+    return False
