@@ -86,6 +86,7 @@ def _connect(cfg: Config, urls: list[str], servers=()):
                           health_check_interval_s=r.health_check_interval_s,
                           server_down_timeout_s=r.server_down_timeout_s,
                           restart=_restarter(servers) if servers and r.restart_servers else None,
+                          stop_server=_stopper(servers) if servers and r.restart_servers else None,
                           return_routed_experts=routing_layout(cfg))
     try:
         check_served_model(cfg, engine.model_identity)
@@ -132,6 +133,15 @@ def _restarter(servers):
         else:
             by_url[s.url] = s.restart
     return lambda url: by_url[url]()
+
+
+def _stopper(servers):
+    """url -> stop of the launched server that serves it, where one server can be stopped alone (a local
+    ServerProcess; Ray-placed servers restart inside their actor, which runs one call at a time): None else."""
+    by_url = {s.url: s.stop for s in servers if not hasattr(s, "restart_url") and hasattr(s, "stop")}
+    if not by_url:
+        return None
+    return lambda url: by_url[url]() if url in by_url else None
 
 
 def planned_kv_tokens(cfg: Config, *, gpu_memory_gib: float | None, vocab_size: int = 0) -> int | None:
@@ -367,8 +377,8 @@ def _sglang_push(cfg: Config, parts):
             engine.resume_memory(["weights"])
         # The servers answering now (rank 0's health view: a lost one is left out, a restarted one is
         # fed again), the same list on every rank; AllServersDown on every rank when none answers.
-        targets = engine._on_rank0(lambda: engine.engine.refresh()) if pooled else None
-        stats = sync.sync(version, targets, flush_cache=flush_cache)
+        targets, epochs = engine._on_rank0(lambda: _targets(engine.engine)) if pooled else (None, None)
+        stats = sync.sync(version, targets, flush_cache=flush_cache, epochs=epochs)
         if stats.lost and pooled:  # ipc: a server that failed a bucket leaves the rotation (health.py)
             engine._on_rank0(lambda: [engine.engine.pool.mark_down(u, f"weight sync: {e}") for u, e in stats.lost.items()])
             targets = [u for u in targets if u not in stats.lost]
@@ -385,6 +395,13 @@ def _sglang_push(cfg: Config, parts):
 
     push.sync = sync  # for tests and the trainer's metrics
     return push
+
+
+def _targets(engine) -> tuple[list[str], list[int]]:
+    """The servers a sync feeds (engine.refresh) and how often each went down: a server that died and came
+    back between two syncs is a new process without the weight-update groups of the last one."""
+    targets = engine.refresh()
+    return targets, engine.pool.epochs(targets)
 
 
 def _confirmed(engine, targets, version: int) -> dict[str, int]:

@@ -92,14 +92,24 @@ def test_a_launched_server_is_restarted_once_per_failure():
     script, restarted = Script(), []
     done = threading.Event()
 
+    gate = threading.Event()
+
     def restart(url):
         restarted.append(url)
         done.set()
+        gate.wait(5)  # the relaunch in progress
 
     pool = _pool(script, restart=restart)
     pool.mark_down(B, "killed")
     pool.mark_down(B, "killed again")  # already down: nothing more
-    assert done.wait(5) and restarted == [B]
+    assert done.wait(5) and restarted == [B] and pool.state[B] == "restarting"
+    pool.poll_once()
+    assert script.calls == [A]  # a server being relaunched is its restart thread's, not the poller's
+    gate.set()
+    deadline = time.monotonic() + 5
+    while pool.state[B] != "up" and time.monotonic() < deadline:  # the relaunch answers: back with version 0
+        time.sleep(0.01)
+    assert pool.state[B] == "up" and script.deep[-1] == (B, False)
     assert pool.take_counts()["restarts"] == 1
 
 
@@ -285,8 +295,8 @@ def test_a_colocated_server_dying_in_training_is_relaunched_at_the_next_resume_a
     """Relaunched at once, a colocated server would start on GPUs the actor holds at its training peak, then
     be resumed for tags it never released (KeyError). Here: relaunched when the rollout phase begins, and
     a relaunch answering while the others are released is released first."""
-    script, control, restarted = Script(), Control(), threading.Event()
-    pool = _pool(script, post=control, restart=lambda url: restarted.set())
+    script, control, restarted, gate = Script(), Control(), threading.Event(), threading.Event()
+    pool = _pool(script, post=control, restart=lambda url: (restarted.set(), gate.wait(5)))
     pool.release(["weights", "kv_cache"])
     script.replies[B] = Probe(False, error="refused", refused=True)
     pool.poll_once()
@@ -299,7 +309,10 @@ def test_a_colocated_server_dying_in_training_is_relaunched_at_the_next_resume_a
     pool.resume(["kv_cache"])
     pool.release(["weights", "kv_cache"])
     script.replies[B] = Probe(True, "default")
-    pool.poll_once()
+    gate.set()  # the launcher's wait returns
+    deadline = time.monotonic() + 5
+    while pool.state[B] != "released" and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert pool.state[B] == "released" and pool.sync_targets() == [A, B]
     assert control.to(B)[-1] == ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
     pool.resume(["weights"])
@@ -314,7 +327,34 @@ def test_a_colocated_server_dying_in_training_is_relaunched_at_the_next_resume_a
 
 
 def test_a_disaggregated_server_is_relaunched_at_once():
-    restarted = threading.Event()
-    pool = _pool(Script(), restart=lambda url: restarted.set())
+    restarted, gate = threading.Event(), threading.Event()
+    pool = _pool(Script(), restart=lambda url: (restarted.set(), gate.wait(5)))
     pool.mark_down(A, "killed")
     assert restarted.wait(5) and pool.state[A] == "restarting"
+    gate.set()
+
+
+def test_a_relaunch_still_loading_at_the_release_is_stopped_and_started_again_at_the_next_resume():
+    """A relaunch that loads while the actor trains would take memory the actor holds at its peak."""
+    calls, gate, stopped = [], threading.Event(), []
+
+    def restart(url):
+        calls.append(url)
+        if len(calls) == 1:
+            gate.wait(5)
+            raise RuntimeError("exited before becoming healthy")  # what stop() makes of the launcher's wait
+
+    control = Control()
+    pool = _pool(Script(), post=control, restart=restart, stop=lambda url: (stopped.append(url), gate.set()))
+    pool.mark_down(B, "killed")  # rollout phase: relaunched at once
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.release(["weights", "kv_cache"])
+    assert stopped == [B] and pool.state[B] == "down" and pool.last_error[B] == "relaunch stopped: the actor trains"
+    assert [e.kind for e in pool.events][-1] == "restart_stopped"
+    pool.resume(["weights"])
+    while pool.state[B] != "up" and time.monotonic() < deadline:  # relaunched, answers with version 0
+        time.sleep(0.01)
+    assert calls == [B, B] and pool.state[B] == "up"
+    assert [p for p, _ in control.to(B)] == []  # the relaunch was neither released nor resumed

@@ -127,6 +127,7 @@ class SGLangEngine(RolloutEngine):
         health_check_interval_s: float = 5.0,
         server_down_timeout_s: float = 600.0,
         restart: Callable[[str], None] | None = None,
+        stop_server: Callable[[str], None] | None = None,
         return_routed_experts: RoutingLayout | None = None,
     ):
         """require_deterministic: refuse servers that ignore sampling seeds (launched without
@@ -136,7 +137,8 @@ class SGLangEngine(RolloutEngine):
         when another engine (one coordinator for several senders) opens it around the whole sync.
         health_check_interval_s / server_down_timeout_s / restart: the ServerPool's poll interval, how long
         generation waits with no server up before AllServersDown, and how a server the trainer launched is
-        restarted (sglang/health.py; None: servers given by URL are only polled). return_routed_experts:
+        restarted (sglang/health.py; None: servers given by URL are only polled), and how a relaunch still
+        loading is stopped when the actor's training begins (stop_server; None: left to load). return_routed_experts:
         the model's router layout to ask every request for its MoE routing (R3, actor.router_replay) and
         keep it as Sample.routed_experts [L, P + R - 1, K] (sglang/routing.py); the servers must run a release
         with it, launched with --enable-return-routed-experts, or the engine refuses at connect. None: off."""
@@ -204,7 +206,7 @@ class SGLangEngine(RolloutEngine):
             raise
         self.pool = ServerPool(self.urls, self._slot_free, probe=self.probe, expected_version=lambda: self._policy_version,
                                interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart,
-                               model=self.model_identity, busy=lambda url: self._inflight[url] > 0,
+                               model=self.model_identity, busy=lambda url: self._inflight[url] > 0, stop=stop_server,
                                post=lambda url, path, body: self._post_control(url, path, body, self.control_timeout_s))
         self.pool.start()
 
@@ -705,7 +707,10 @@ class SGLangEngine(RolloutEngine):
         this sync: stale, or up with the current weights). Returns the servers the sync feeds (live ones);
         with none, waits for one to answer up to server_down_timeout_s, then AllServersDown."""
         def check(url: str) -> None:
-            if self.pool.state[url] in ("down", "restarting"):
+            state = self.pool.state[url]
+            if state == "restarting":  # its restart thread lets it join (health.py)
+                return
+            if state == "down":
                 p = self.pool.check(url)
                 if p.answers:
                     self.pool.observe(url, p)

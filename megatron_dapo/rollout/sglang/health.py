@@ -32,9 +32,11 @@ What SGLang 0.5.23 does that the states rule out (read in its source; tests/stan
 
 Colocated restarts. Between a release and the next resume the actor trains at its peak on the servers'
 GPUs: a server that dies then is relaunched only when the rollout phase begins (the first resume, after
-the trainer gave back what the servers were planned without). A relaunched server that answers while the
-others are still released is released at once; it joins a weight sync after the resume it then goes
-through. Disaggregated servers (never released) are relaunched at once, as before.
+the trainer gave back what the servers were planned without). A relaunch still loading when the next
+release comes (it would take the actor's memory) is stopped there (`stop`) and started again at the next
+resume. A relaunched server that answers while the others are released is released at once; one that
+answers in the rollout phase is released with the others at its end. Either way it joins a weight sync
+after a release and resume it went through. Disaggregated servers (never released) are relaunched at once.
 
 Control calls (pause, continue, release, resume) go to every live server; one that fails is marked down
 (and restarted when launched here) and the call goes on with the rest. Only when every server failed does
@@ -96,7 +98,8 @@ class Probe:
 @dataclass(frozen=True)
 class ServerEvent:
     kind: str
-    """down, reissue, restart, restart_deferred, answering (back, stale), readmitted, refused, released."""
+    """down, reissue, restart, restart_deferred, restart_stopped, answering (back, stale), readmitted, refused,
+    released."""
     url: str
     detail: str
     t: float
@@ -120,6 +123,8 @@ class _Server:
     last_error: str = ""
     restart_due: bool = False
     """Died while the actor trained: relaunched when the rollout phase begins."""
+    epoch: int = 0
+    """How many times it went down: a weight-update group formed with an earlier process is gone."""
 
     @property
     def state(self) -> str:
@@ -138,17 +143,18 @@ class ServerPool:
                  expected_version: Callable[[], int], interval_s: float = 5.0, down_timeout_s: float = 600.0,
                  fail_after: int = 3, restart: Callable[[str], None] | None = None, model: tuple | None = None,
                  post: Callable[[str, str, object], str | None] | None = None,
-                 busy: Callable[[str], bool] = lambda url: False):
+                 busy: Callable[[str], bool] = lambda url: False, stop: Callable[[str], None] | None = None):
         """model: the (model_type, architectures) the servers reported at connect; a server that comes back
         serving another model stays down. post(url, path, body): one control request, None on success else
-        the error text. busy(url): the server has generation requests in flight (the engine's count)."""
+        the error text. busy(url): the server has generation requests in flight (the engine's count).
+        stop(url): end a relaunch in progress (a release stops one still loading; None: left to load)."""
         if not interval_s > 0 or not down_timeout_s > 0 or fail_after < 1:
             raise ValueError(f"ServerPool: interval_s and down_timeout_s must be > 0 and fail_after >= 1, got "
                              f"{interval_s!r}, {down_timeout_s!r}, {fail_after!r}")
         self.urls = list(urls)
         self.cond = cond
         self.probe, self.expected_version, self.restart, self.model = probe, expected_version, restart, model
-        self.post, self.busy = post, busy
+        self.post, self.busy, self.stop_server = post, busy, stop
         self.interval_s, self.down_timeout_s, self.fail_after = float(interval_s), float(down_timeout_s), fail_after
         self._s = {u: _Server() for u in self.urls}
         self._phase_tags: frozenset = frozenset()
@@ -222,6 +228,7 @@ class ServerPool:
             if s.life in (DOWN, RESTARTING):
                 return
             s.life, s.last_error, s.misses = DOWN, error, 0
+            s.epoch += 1
             self._counts["failures"] += 1
             self._event("down", url, error)
             if not any(x.life == UP for x in self._s.values()) and self._none_up_since is None:
@@ -249,15 +256,31 @@ class ServerPool:
         threading.Thread(target=self._restart, args=(url,), name=f"sglang-restart-{url}", daemon=True).start()
 
     def _restart(self, url: str) -> None:
+        """The relaunch, in its own thread. The launcher's readiness wait (/health, a generation) owns the
+        new process until it returns: only then does the pool probe it (no generation) and let it join
+        (released first while the actor trains), so no generating probe meets a released server."""
         try:
             self.restart(url)
         except Exception as e:  # noqa: BLE001 - the poller keeps it down; logged with the reason
             with self.cond:
                 s = self._s[url]
+                if s.restart_due:  # stopped by a release: relaunched at the next resume
+                    return
                 if s.life == RESTARTING:
                     s.life = DOWN
                 s.last_error = f"restart failed: {type(e).__name__}: {e}"
             log.error("SGLang server %s: restart failed: %s", url, e)
+            return
+        with self.cond:
+            stopped = self._s[url].restart_due
+        if stopped:  # a release came as it finished loading: it goes, and comes again at the next resume
+            self.stop_server(url)
+            return
+        p = self.probe(url, deep=False)
+        with self.cond:
+            if self._s[url].life == RESTARTING:
+                self._s[url].life = DOWN  # answering or not, the poller and observe take it from here
+        self.observe(url, p)
 
     def note_reissue(self, url: str, survivor: str, requests: int = 1) -> None:
         """A request of the lost server `url` was re-sent to `survivor`."""
@@ -331,20 +354,15 @@ class ServerPool:
         with self.cond:
             self._deferring = True
             self._phase_tags |= want
+            loading = [u for u, s in self._s.items() if s.life == RESTARTING] if self.stop_server else []
+            for u in loading:
+                s = self._s[u]
+                s.life, s.restart_due, s.last_error = DOWN, True, "relaunch stopped: the actor trains"
+                self._event("restart_stopped", u, "still loading at the release: relaunched at the next resume")
             todo = {u: want - s.released for u, s in self._s.items() if s.life in (UP, STALE) and want - s.released}
-            for u, new in todo.items():  # from now on: no new requests, no new generating probes
-                self._s[u].released |= new
-            self.cond.notify_all()
-            deadline = time.monotonic() + IDLE_WAIT_S
-            while any(self._s[u].probing or self.busy(u) for u in todo):
-                left = deadline - time.monotonic()
-                if left <= 0:  # nothing was posted: the servers hold what they held
-                    for u, new in todo.items():
-                        self._s[u].released -= new
-                    stuck = [u for u in todo if self._s[u].probing or self.busy(u)]
-                    raise RolloutEngineError(f"release_memory: servers {stuck} still run requests after "
-                                             f"{IDLE_WAIT_S:g} s; SGLang kills a server released while busy")
-                self.cond.wait(min(left, 0.05))
+            self._mark_released_when_idle(todo)
+        for u in loading:
+            self.stop_server(u)
         self._post_each("/release_memory_occupation", {u: {"tags": sorted(t)} for u, t in todo.items()},
                         "release_memory_occupation")
 
@@ -371,6 +389,24 @@ class ServerPool:
                     self._s[u].released -= todo[u]
             self.cond.notify_all()
 
+    def _mark_released_when_idle(self, todo: dict[str, frozenset]) -> None:
+        """(cond held) Count `todo`'s tags as released from now on (no new request, no new generating
+        probe), then wait until those servers have no request and no generating probe in flight; on a
+        timeout nothing was posted, so the marks are undone and RolloutEngineError raised."""
+        for u, new in todo.items():
+            self._s[u].released |= new
+        self.cond.notify_all()
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while any(self._s[u].probing or self.busy(u) for u in todo):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for u, new in todo.items():
+                    self._s[u].released -= new
+                stuck = [u for u in todo if self._s[u].probing or self.busy(u)]
+                raise RolloutEngineError(f"release_memory: servers {stuck} still run requests after "
+                                         f"{IDLE_WAIT_S:g} s; SGLang kills a server released while busy")
+            self.cond.wait(min(left, 0.05))
+
     def _join_phase(self, url: str) -> bool:
         """A server that answers again while the others are released (a relaunch slower than the rollout
         phase): release what they released, so it holds no memory the actor trains in. False: it failed."""
@@ -379,7 +415,11 @@ class ServerPool:
             new = self._phase_tags - s.released if self._deferring else frozenset()
             if not new:
                 return True
-            s.released |= new  # no generating probe from here on
+            try:
+                self._mark_released_when_idle({url: new})
+            except RolloutEngineError as e:
+                log.warning("SGLang server %s: not released yet: %s", url, e)
+                return False
         err = self.post(url, "/release_memory_occupation", {"tags": sorted(new)})
         if err is not None:
             self.mark_down(url, f"/release_memory_occupation: {err}")
@@ -452,10 +492,17 @@ class ServerPool:
                     s.probing -= 1
                     self.cond.notify_all()
 
+    def epochs(self, urls: Sequence[str]) -> list[int]:
+        """Each server's count of times down (a weight sync re-forms its groups when one changed)."""
+        with self.cond:
+            return [self._s[u].epoch for u in urls]
+
     def poll_once(self, pool: ThreadPoolExecutor | None = None) -> None:
-        """Probe every server once and apply what it shows (the poller's round; tests call it directly)."""
-        results = list(pool.map(self.check, self.urls)) if pool is not None else [self.check(u) for u in self.urls]
-        for url, p in zip(self.urls, results, strict=True):
+        """Probe every server once and apply what it shows (the poller's round; tests call it directly).
+        A server being relaunched is left to its restart thread (`_restart`)."""
+        urls = [u for u in self.urls if self._s[u].life != RESTARTING]
+        results = list(pool.map(self.check, urls)) if pool is not None else [self.check(u) for u in urls]
+        for url, p in zip(urls, results, strict=True):
             self.observe(url, p)
 
     def observe(self, url: str, p: Probe) -> None:

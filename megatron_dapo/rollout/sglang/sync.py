@@ -239,6 +239,7 @@ class SGLangWeightSync:
         self._leaders: dict[int, int] = {}  # node -> global rank of its first rank
         self._error: str | None = None  # this rank's first failure of the current collective step
         self._lost: dict[str, str] = {}  # ipc: servers this rank saw fail in the current sync
+        self._epochs: dict[str, int] | None = None  # the targets' epochs when the groups were last formed
         self._abandoned: list = []  # groups of buckets that did not complete (kept, never destroyed: _abandon_group)
         self._flush = True  # the current sync flushes the servers' cache with its version (sync())
 
@@ -303,10 +304,12 @@ class SGLangWeightSync:
         self._open_groups()
 
     # ------------------------------------------------------------------------------------ one sync
-    def sync(self, version: int, targets: Sequence[str] | None = None, *, flush_cache: bool = True) -> SyncStats:
+    def sync(self, version: int, targets: Sequence[str] | None = None, *, flush_cache: bool = True,
+             epochs: Sequence[int] | None = None) -> SyncStats:
         """Every tensor of every stage to every server (or to `targets`, the URLs of the servers to feed,
         the same list on every rank), then the version; a collective of all ranks. With the distributed
-        transport a change of targets re-forms the weight-update groups first (`_regroup`).
+        transport a change of targets re-forms the weight-update groups first (`_regroup`), as does a
+        change of `epochs` (per target, how often its server went down: a new process has no groups).
 
         flush_cache=False keeps the servers' KV cache: for a sync into generation paused in place (the
         running requests keep their cache and continue under the new weights; SGLang fails an update that
@@ -324,11 +327,16 @@ class SGLangWeightSync:
             if unknown or not targets:
                 raise WeightSyncError(f"sync targets {list(targets)} are not a non-empty subset of {self.servers.urls}")
             active = tuple(i for i, u in enumerate(self.servers.urls) if u in set(targets))
-            if active != self.active:
+            born = None if epochs is None else dict(zip(targets, epochs, strict=True))
+            renewed = born is not None and self._epochs is not None and any(
+                born[self.servers.urls[i]] != self._epochs.get(self.servers.urls[i]) for i in active)
+            if active != self.active or renewed:
                 if self.transport == "distributed":
                     self._regroup(active)
                 else:
                     self._set_active(active)
+            if born is not None:
+                self._epochs = born
         traffic: dict[str, int] = {}
         if pgs.rank == 0 and self.session is not None:
             self._guard(lambda: self.session("begin"), "begin the weight-update session")
