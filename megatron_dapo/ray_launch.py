@@ -3,7 +3,12 @@ a Ray job (launch/ray_job.sh submits this as the job's entrypoint).
 
 The recipe's `trainer.nnodes` x `trainer.n_gpus_per_node` ranks run as one torchrun agent per node
 (`python -m megatron_dapo.torchrun`, c10d rendezvous), each agent in a bundle of a Ray placement group:
-one bundle per node (STRICT_SPREAD), with the node's GPUs when the cluster has GPUs. The rendezvous is
+one bundle of one CPU per node (STRICT_SPREAD), on nodes with at least n_gpus_per_node GPUs when the
+cluster has GPUs. The agents reserve no GPU: the trainer's rank 0 places the SGLang servers on those same
+GPUs through Ray (colocated, rollout/sglang/placement.py), which a bundle holding a node's GPUs would leave
+waiting; the ranks use the node's GPUs directly (CUDA_VISIBLE_DEVICES as the node has it, not Ray's empty
+value for a task without GPUs). Each agent gets RAY_ADDRESS (the cluster's GCS address), so rank 0 finds the
+cluster to place the servers on. The rendezvous is
 hosted by the agent of bundle 0 (`is_host=1`), at its node's address. Each agent's output reaches the job's log with a
 `[node i]` prefix. The job ends with the first agent that fails (the others are stopped; a torchrun that
 loses its Ray worker gets SIGTERM and ends its ranks) or when all succeed, and exits with that status. A
@@ -44,10 +49,19 @@ def _host_address() -> tuple[str, int]:
     return ip, port
 
 
-def _agent(cmd: list[str], index: int) -> int:
+def agent_environment(environ: dict[str, str], ray_address: str) -> dict[str, str]:
+    """The environment of a node's torchrun agent: RAY_ADDRESS set (rank 0 places the servers on the cluster),
+    and CUDA_VISIBLE_DEVICES as the node has it, not the empty value Ray gives a task that reserved no GPU."""
+    env = dict(environ, RAY_ADDRESS=ray_address)
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        env.pop("CUDA_VISIBLE_DEVICES")
+    return env
+
+
+def _agent(cmd: list[str], index: int, ray_address: str = "") -> int:
     """Run one node's torchrun agent, streaming its output; returns its exit status."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_die_with_parent, env=agent_environment(dict(os.environ), ray_address))
     for line in proc.stdout:
         print(f"[node {index}] {line}", end="", flush=True)
     return proc.wait()
@@ -76,9 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ray.init(address="auto", logging_level="ERROR")
-    gpus = nproc if ray.cluster_resources().get("GPU", 0) > 0 else 0
     strategy = os.environ.get(PLACEMENT_ENV, "STRICT_SPREAD")
-    bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        gpu_nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= nproc]
+        if len(gpu_nodes) < (nnodes if strategy == "STRICT_SPREAD" else 1):
+            print(f"ray_launch: {nnodes} node(s) of {nproc} GPUs wanted, the cluster has {len(gpu_nodes)}: "
+                  f"{ray.cluster_resources()}", file=sys.stderr)
+            return 2
+    bundle = {"CPU": 1}  # no GPU: the servers rank 0 places share the nodes' GPUs (module docstring)
     group = placement_group([bundle] * nnodes, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=600)
     if not ready:
@@ -95,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ray_launch: {nnodes} node(s) x {nproc} rank(s), rendezvous at {host}:{port} ({strategy})", flush=True)
     # Bundle 0's agent hosts the rendezvous store, said explicitly: torch infers it by matching the endpoint
     # against the host name's addresses, which a node whose name resolves to loopback never matches.
-    running = {agent.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=on[i]).remote(
-        [*cmd[:3], f"--rdzv_conf=is_host={int(i == 0)}", *cmd[3:]], i): i for i in range(nnodes)}
+    address = ray.get_runtime_context().gcs_address
+    running = {agent.options(num_cpus=1, num_gpus=0, scheduling_strategy=on[i]).remote(
+        [*cmd[:3], f"--rdzv_conf=is_host={int(i == 0)}", *cmd[3:]], i, address): i for i in range(nnodes)}
     return _wait_for_agents(running, stopped=cfg.trainer.preemption_exit_code, cancel=ray.cancel, wait=ray.wait,
                             get=ray.get)
 

@@ -6,6 +6,7 @@ random model can train) and a job with a bad key, which must fail."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -109,15 +110,17 @@ def _session_pids(sid):
     return pids
 
 
-@pytest.fixture
-def ray_head():
-    """A one-CPU Ray head on loopback in its own session; stopped by pid (never `ray stop`, which
-    would end every Ray instance of this user on the machine)."""
-    gcs, dashboard, client = _free_ports(3)
+@contextlib.contextmanager
+def _head(*resources: str, dashboard: bool = True):
+    """A Ray head on loopback in its own session, with `resources` (e.g. --num-gpus=2: declared, not real);
+    yields (the dashboard's address or the GCS address without one, its private HOME). Stopped by pid
+    (never `ray stop`, which would end every Ray instance of this user on the machine)."""
+    gcs, dash, client = _free_ports(3)
     temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")      # short: Ray's socket paths have a length limit
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-           "--num-cpus=3", "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+           f"--ray-client-server-port={client}", *resources, f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+    cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true"] if dashboard else [
+        "--include-dashboard=false"]
     # Ray 2.60 reads a token from ~/.ray/auth_token when one exists (another Ray run may leave one):
     # the head and the submitting CLI share a private HOME so they agree.
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", OMP_NUM_THREADS="1", HOME=temp)
@@ -127,13 +130,13 @@ def ray_head():
         deadline = time.monotonic() + 120
         while True:
             try:
-                socket.create_connection(("127.0.0.1", dashboard), timeout=1).close()
+                socket.create_connection(("127.0.0.1", dash if dashboard else gcs), timeout=1).close()
                 break
             except OSError:
                 assert head.poll() is None, (Path(temp) / "head.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "Ray dashboard did not come up in 120 s"
+                assert time.monotonic() < deadline, "Ray head did not come up in 120 s"
                 time.sleep(1)
-        yield f"http://127.0.0.1:{dashboard}", temp
+        yield (f"http://127.0.0.1:{dash}" if dashboard else f"127.0.0.1:{gcs}"), temp
     finally:
         head.send_signal(signal.SIGTERM)                     # `ray start --block` stops its processes
         try:
@@ -147,6 +150,13 @@ def ray_head():
                 pass
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_head():
+    """A three-CPU Ray head with its dashboard (the job server)."""
+    with _head("--num-cpus=3") as head:
+        yield head
 
 
 def _job_env(ray_head, tmp_path, **job_env_vars) -> dict:
@@ -224,3 +234,43 @@ def test_a_failed_node_stops_the_others_but_a_node_stopping_on_a_signal_does_not
     assert _agents([75, 75, 75]) == (75, [])            # a stop signal: every node finishes its checkpoint
     assert _agents([75, 9, 0]) == (9, ["ref2"])         # a crash while the others stop still ends the job
     assert _agents([0, 0]) == (0, [])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_two_agents_leave_the_gpus_to_the_colocated_servers_rank_0_places_beside_them(tmp_path):
+    """ray_launch on a head declaring 2 GPUs (nothing real: placement only), 2 nodes x 1 rank (PACK): the
+    agents reserve no GPU and pass RAY_ADDRESS on, so rank 0 places its 2 colocated servers (stand-ins in
+    memory-saver mode, through the trainer's launch path) on the 2 GPUs and the step trains against them.
+    (With each agent holding its node's GPUs the servers' placement group waited 30 minutes and failed.)"""
+    from tests.trainer.test_cluster_in_a_box import _hf_model
+    from tests.trainer.test_colocated_lifecycle import SHIM
+
+    hf_dir = _hf_model(tmp_path, "dense")
+    with _head("--num-cpus=4", "--num-gpus=2", dashboard=False) as (gcs, home):
+        env = dict(os.environ, RAY_ADDRESS=gcs, HOME=home, MEGATRON_DAPO_RAY_PLACEMENT="PACK", OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO))
+        r = subprocess.run([sys.executable, "-m", "megatron_dapo.ray_launch", "--config", "configs/tiny_cpu.yaml",
+                            "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "rollout.engine=sglang", "model.arch=hf",
+                            f"model.hf_path={hf_dir}", f"rollout.sglang_python={sys.executable}",
+                            f"rollout.server_env=[PYTHONPATH={SHIM}:{REPO}]", "rollout.server_device=cpu",
+                            f"rollout.server_base_port={_free_ports(1)[0]}", "trainer.experiment_name=ray_servers",
+                            "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "data.train_batch_size=4",
+                            "rollout.n=4", "actor.ppo_mini_batch_size=2", "data.max_response_length=6",
+                            "reward.overlong_buffer.len=4", "algorithm.filter_groups.enable=false",
+                            "data.gen_batch_size=null", "trainer.test_freq=0", "trainer.val_before_train=false",
+                            "trainer.logger=[console]", f"trainer.output_dir={tmp_path / 'runs'}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    assert "[node 0]" in out and "[node 1]" in out and "done: 1 steps" in out, out[-3000:]
+    logs = sorted((tmp_path / "runs/ray_servers/sglang").glob("*.log"))
+    assert len(logs) == 2 and all("stand-in listening" in p.read_text() for p in logs), logs
+
+
+def test_an_agent_gets_ray_address_and_the_node_s_gpus():
+    from megatron_dapo.ray_launch import agent_environment
+
+    env = agent_environment({"CUDA_VISIBLE_DEVICES": "", "PATH": "/bin"}, "10.0.0.1:6379")
+    assert env == {"PATH": "/bin", "RAY_ADDRESS": "10.0.0.1:6379"}  # Ray's empty value for a zero-GPU task dropped
+    assert agent_environment({"CUDA_VISIBLE_DEVICES": "0,1"}, "a:1")["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -76,13 +76,15 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
     """3 steps, colocated mode (the servers share no accelerator memory: require_memory_saver=false):
     every row carries the weight version the servers report, equal to its step's policy version; the
     actor's log-probs of the rollouts equal the servers' to round-off; each server sees memory release
-    and resume around every sync in the trainer's order (no-ops on CPU, but called)."""
+    and resume around every sync in the trainer's order (no-ops on CPU, but called), and with the health
+    poller at 0.2 s no /health (a generation in SGLang 0.5.23) between a release and the last resume after
+    it, only /model_info (on a GPU that probe would run over freed memory)."""
     marks = [len(s.log_path.read_text(errors="replace")) for s in real_servers.servers]
     dumps = tmp_path / "rollouts"
     _run([sys.executable, "-m", "megatron_dapo.train", "--config", "configs/tiny_cpu.yaml",
           *train_overrides(real_servers.model_dir, real_servers.tokenizer_dir, _urls(real_servers),
                            "rollout.mode=colocate", f"trainer.rollout_data_dir={dumps}",
-                           f"trainer.output_dir={tmp_path}")], tmp_path)
+                           "rollout.health_check_interval_s=0.2", f"trainer.output_dir={tmp_path}")], tmp_path)
     _check_log_probs(_scalars(tmp_path))
     for step in range(1, STEPS + 1):
         rows = [json.loads(line) for line in (dumps / f"step_{step}.jsonl").read_text().splitlines()]
@@ -98,6 +100,15 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
         assert "/generate" in routes, server.url
         control = [r for r in routes if r != "/generate"]
         assert control == start + step * STEPS + ["/destroy_weights_update_group"], (server.url, " ".join(control))
+        released, probes = 0, {"/health": 0, "/model_info": 0}  # tags released; probes while any is
+        for method, route in re.findall(r'"(GET|POST) (/[a-z_]+) HTTP', server.log_path.read_text(errors="replace")[mark:]):
+            if route == "/release_memory_occupation":
+                released = 2  # weights and KV cache, resumed one call each
+            elif route == "/resume_memory_occupation":
+                released -= 1
+            elif released and route in probes:
+                probes[route] += 1
+        assert probes["/health"] == 0 and probes["/model_info"] > 0, (server.url, probes)
 
 
 @pytest.mark.multiproc

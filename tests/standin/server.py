@@ -167,6 +167,7 @@ class Handler(BaseHTTPRequestHandler):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 2048  # uvicorn's default backlog, which SGLang's HTTP server runs with
     state: State
 
 

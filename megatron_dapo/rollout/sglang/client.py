@@ -8,10 +8,11 @@ servers down. So:
 
 - at start the soft file limit is raised to the hard one (`raise_open_file_limit`);
 - the requests in flight at once (the engine's worker threads, each holding at most one socket while it
-  posts) are capped at what the limit leaves after FD_RESERVE for everything else the process opens
-  (`request_slots`); the rest of a batch waits in the client's queue, which costs nothing the servers
-  would not queue anyway;
-- one `requests.Session` shared by the threads keeps at most `per_host` idle connections per server;
+  posts) are capped at half of what the limit leaves after FD_RESERVE for everything else the process
+  opens (`request_slots`); the rest of a batch waits in the client's queue, which costs nothing the
+  servers would not queue anyway;
+- one `requests.Session` shared by the threads keeps at most `per_host(...)` idle connections per server,
+  so idle connections too stay within the other half (a connection beyond that is closed after use);
 - EMFILE / ENFILE (`is_client_resource_error`) and a refused thread start are the client's errors, named as
   such, never a server's.
 """
@@ -48,14 +49,19 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def request_slots(max_concurrency: int, num_servers: int, soft_limit: int) -> int:
-    """Requests in flight at once: max_concurrency per server, capped by the open-file limit less
-    FD_RESERVE (one socket per request in flight), at least MIN_SLOTS."""
+    """Requests in flight at once: max_concurrency per server, capped by half the open-file limit less
+    FD_RESERVE (one socket per request in flight, as many kept idle at most), at least MIN_SLOTS."""
     want = max_concurrency * num_servers
-    budget = max(MIN_SLOTS, soft_limit - FD_RESERVE) if soft_limit > 0 else want
+    budget = max(MIN_SLOTS, (soft_limit - FD_RESERVE) // 2) if soft_limit > 0 else want
     if want > budget:
         log.info("SGLang client: %d requests in flight at most (open-file limit %d), not %d", budget, soft_limit,
                  want)
     return min(want, budget)
+
+
+def per_host(max_concurrency: int, num_servers: int, slots: int) -> int:
+    """Idle connections kept per server: its share of the slots, at most max_concurrency."""
+    return max(1, min(max_concurrency, -(-slots // max(num_servers, 1))))
 
 
 def shared_session(num_servers: int, per_host: int) -> requests.Session:

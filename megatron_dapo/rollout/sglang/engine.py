@@ -190,7 +190,8 @@ class SGLangEngine(RolloutEngine):
         self.request_slots = client.request_slots(max_concurrency, len(self.urls), soft)
         self._pool = ThreadPoolExecutor(max_workers=self.request_slots, thread_name_prefix="sglang")
         self._abort_pool = ThreadPoolExecutor(max_workers=ABORT_THREADS, thread_name_prefix="sglang-abort")
-        self._http = client.shared_session(len(self.urls), min(max_concurrency, self.request_slots))
+        self._http = client.shared_session(len(self.urls), client.per_host(max_concurrency, len(self.urls),
+                                                                          self.request_slots))
         self._sessions_lock = threading.Lock()
         self._weight_group = None
         self._weight_group_name: str | None = None

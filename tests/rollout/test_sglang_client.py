@@ -1,0 +1,82 @@
+"""The engine's HTTP client at the recipes' request count (rollout/sglang/client.py): 1,536 generation
+requests per batch must not need 1,536 sockets, and running out of them is the client's fault, never a
+server's."""
+
+from __future__ import annotations
+
+import errno
+import json
+import resource
+import subprocess
+import sys
+import textwrap
+
+import requests
+
+from megatron_dapo.rollout.sglang import client
+from tests.standin import ROOT, StandinServer
+
+
+def test_request_slots_stay_within_half_the_open_file_limit_after_the_reserve():
+    assert client.request_slots(256, 32, 1 << 20) == 256 * 32  # a generous limit: max_concurrency per server
+    assert client.request_slots(1024, 2, 1024) == (1024 - client.FD_RESERVE) // 2 == 384
+    assert client.request_slots(256, 32, 100) == client.MIN_SLOTS
+    assert client.per_host(1024, 2, 384) == 192 and client.per_host(8, 2, 384) == 8
+
+
+def test_out_of_file_descriptors_is_told_apart_from_a_refused_connection():
+    emfile = requests.ConnectionError(OSError(errno.EMFILE, "Too many open files"))
+    refused = requests.ConnectionError(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"))
+    assert client.is_client_resource_error(emfile)
+    assert not client.is_client_resource_error(refused)
+    try:
+        try:
+            raise OSError(errno.ENFILE, "file table overflow")
+        except OSError as inner:
+            raise requests.ConnectionError("wrapped") from inner
+    except requests.ConnectionError as e:
+        assert client.is_client_resource_error(e)
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one():
+    code = textwrap.dedent("""
+        import resource
+        from megatron_dapo.rollout.sglang.client import raise_open_file_limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        print(soft, hard, *raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    """)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert out.returncode == 0, out.stderr
+    assert [int(x) for x in out.stdout.split()] == [256, hard, hard, hard, hard]
+
+
+def test_1536_requests_under_ulimit_n_1024_finish_with_no_server_marked_down(tmp_path):
+    """The recipe's generation batch in requests (1,536), every one held by the server for a while so
+    they would all be in flight at once, from a client whose soft and hard open-file limit is 1,024 (a
+    common default that a scheduler passes on). Before the bound, one thread and one socket per request
+    failed with EMFILE, and the engine took healthy servers down for it."""
+    script = textwrap.dedent("""
+        import json, resource, sys
+        from megatron_dapo.rollout.base import PromptInput, SamplingParams
+        from megatron_dapo.rollout.sglang.engine import SGLangEngine
+        urls = sys.argv[1:]
+        with SGLangEngine(urls, max_batch_size=1, max_concurrency=1024, connect_timeout_s=30) as eng:
+            out = eng.generate([PromptInput(f"p{i}", (1, 2)) for i in range(1536)], SamplingParams(max_new_tokens=1))
+            counts = eng.pool.take_counts()
+            print(json.dumps({"samples": len(out), "finished": sum(s.finish_reason == "length" for s in out),
+                              "slots": eng.request_slots, "limit": resource.getrlimit(resource.RLIMIT_NOFILE),
+                              "failures": counts["failures"], "up": counts["up"], "states": eng.pool.state}))
+    """)
+    with StandinServer(toy=True, log_dir=tmp_path) as a, StandinServer(toy=True, log_dir=tmp_path) as b:
+        for s in (a, b):
+            s.knobs(delay_s=1.0)
+        r = subprocess.run([sys.executable, "-c", script, a.url, b.url], capture_output=True, text=True, cwd=ROOT,
+                           timeout=600, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+        assert r.returncode == 0, r.stderr[-4000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["limit"] == [1024, 1024] and got["slots"] == 384
+        assert got["samples"] == got["finished"] == 1536
+        assert got["failures"] == 0 and got["up"] == 2, got
+        assert len(a.requests("/generate")) + len(b.requests("/generate")) == 1536
