@@ -205,6 +205,10 @@ def test_paused_and_released_servers_get_no_generating_probe_and_their_failures_
     pool.resume_generation()
     assert control.to(B) == [("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {})]
     assert control.to(A) == [("/pause_generation", {"mode": "in_place"})]  # a down server gets no continue
+    fresh_control = Control()
+    fresh = _pool(Script(), post=fresh_control)
+    fresh.resume_generation()  # a restarted trainer: which servers are paused is unknown, so all get it
+    assert [u for u, _, _ in fresh_control.calls] == [A, B]
     assert pool.state[B] == "up"
     pool.release(["weights", "kv_cache"])
     script.deep.clear()

@@ -101,7 +101,7 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
         control = [r for r in routes if r != "/generate"]
         assert control == start + step * STEPS + ["/destroy_weights_update_group"], (server.url, " ".join(control))
         released, probes = 0, {"/health": 0, "/model_info": 0}  # tags released; probes while any is
-        for method, route in re.findall(r'"(GET|POST) (/[a-z_]+) HTTP', server.log_path.read_text(errors="replace")[mark:]):
+        for _method, route in re.findall(r'"(GET|POST) (/[a-z_]+) HTTP', server.log_path.read_text(errors="replace")[mark:]):
             if route == "/release_memory_occupation":
                 released = 2  # weights and KV cache, resumed one call each
             elif route == "/resume_memory_occupation":

@@ -335,9 +335,10 @@ class ServerPool:
         self._post_each("/pause_generation", dict.fromkeys(urls, {"mode": mode}), "pause_generation")
 
     def resume_generation(self) -> None:
-        """/continue_generation on every paused server."""
+        """/continue_generation on every live server (harmless on one not paused, and a trainer that restarts
+        does not know which servers the killed one left paused)."""
         with self.cond:
-            urls = [u for u in self.urls if self._s[u].paused and self._s[u].life in (UP, STALE)]
+            urls = [u for u in self.urls if self._s[u].life in (UP, STALE)]
         errors = self._post_each("/continue_generation", dict.fromkeys(urls, {}), "continue_generation")
         with self.cond:
             for u, err in errors.items():
