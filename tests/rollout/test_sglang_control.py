@@ -110,11 +110,11 @@ def test_health_reports_each_server_model_info_and_the_policy_version(servers, t
         assert h["healthy"] is True and h["policy_version"] == 4
         assert h["servers"][0]["model_info"]["model_path"] == "toy"
         assert eng.health(deep=True)["healthy"] is True
-        assert a.paths().count("/health") == 1 and a.paths().count("/health_generate") == 0
+        assert a.paths().count("/health_generate") == 1 and a.paths().count("/health") == 0
         assert a.paths().count("/model_info") == 3 and "/get_model_info" not in a.paths()  # not the deprecated one
         eng.release_memory()
         assert eng.health(deep=True)["servers"][0]["state"] == "released"
-        assert a.paths().count("/health") == 1 and a.is_running()  # released: no generating probe
+        assert a.paths().count("/health_generate") == 1 and a.is_running()  # released: no generating probe
         eng.resume_memory()
     doomed = StandinServer(toy=True, args=SAVER, log_dir=tmp_path).start()
     with SGLangEngine([doomed.url], connect_timeout_s=1.0, control_timeout_s=1.0) as eng:

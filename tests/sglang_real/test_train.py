@@ -77,8 +77,8 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
     every row carries the weight version the servers report, equal to its step's policy version; the
     actor's log-probs of the rollouts equal the servers' to round-off; each server sees memory release
     and resume around every sync in the trainer's order (no-ops on CPU, but called), and with the health
-    poller at 0.2 s no /health (a generation in SGLang 0.5.23) between a release and the last resume after
-    it, only /model_info (on a GPU that probe would run over freed memory)."""
+    poller at 0.2 s no /health or /health_generate (a generation in SGLang 0.5.23) between a release and the
+    last resume after it, only /model_info (on a GPU that probe would run over freed memory)."""
     marks = [len(s.log_path.read_text(errors="replace")) for s in real_servers.servers]
     dumps = tmp_path / "rollouts"
     _run([sys.executable, "-m", "megatron_dapo.train", "--config", "configs/tiny_cpu.yaml",
@@ -100,7 +100,7 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
         assert "/generate" in routes, server.url
         control = [r for r in routes if r != "/generate"]
         assert control == start + step * STEPS + ["/destroy_weights_update_group"], (server.url, " ".join(control))
-        released, probes = 0, {"/health": 0, "/model_info": 0}  # tags released; probes while any is
+        released, probes = 0, {"/health": 0, "/health_generate": 0, "/model_info": 0}  # probes while released
         for _method, route in re.findall(r'"(GET|POST) (/[a-z_]+) HTTP', server.log_path.read_text(errors="replace")[mark:]):
             if route == "/release_memory_occupation":
                 released = 2  # weights and KV cache, resumed one call each
@@ -108,7 +108,7 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
                 released -= 1
             elif released and route in probes:
                 probes[route] += 1
-        assert probes["/health"] == 0 and probes["/model_info"] > 0, (server.url, probes)
+        assert probes["/health"] == probes["/health_generate"] == 0 and probes["/model_info"] > 0, (server.url, probes)
 
 
 @pytest.mark.multiproc

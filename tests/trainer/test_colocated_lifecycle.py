@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -71,8 +72,10 @@ def _scalars(out: pathlib.Path) -> dict[str, dict[int, float]]:
 
 
 def _check_memory_order(rows: list) -> list[str]:
-    """A server's requests in order (one process): no /generate or /health while anything is released, each
-    resume only of released tags; returns the memory calls and the first weight update / generate."""
+    """A server's requests in order (one process): no forward (/generate, /health_generate) while anything is
+    released, each resume only of released tags; returns the memory calls and the first weight update and
+    generate. (/health is no forward on servers the trainer launches: server.SERVER_DEFAULTS; the stand-in
+    would die on it otherwise, which the logs' check below would show.)"""
     released: set[str] = set()
     story: list[str] = []
     for path, body in rows:
@@ -84,7 +87,7 @@ def _check_memory_order(rows: list) -> list[str]:
             assert tags <= released, (tags, released, story)
             released -= tags
             story.append(f"resume:{','.join(sorted(tags))}")
-        elif path in ("/generate", "/health", "/health_generate"):
+        elif path in ("/generate", "/health_generate"):  # (/health runs no forward on launched servers)
             assert not released, (path, released, story)
             if path == "/generate" and "/generate" not in story:
                 story.append(path)
@@ -163,8 +166,10 @@ def test_a_server_hanging_during_a_distributed_push_stops_every_rank_at_the_buck
     (hang,) = json.loads((tmp_path / "report.json").read_text())["kills"]
     errors = [(tmp_path / f"error.rank{r}.txt").read_text() for r in (0, 1)]
     assert errors[0] == errors[1], errors
-    assert "did not complete within 5 s (rollout.weight_sync_bucket_timeout_s); no answer from " \
-           f"['{hang['url']}']" in errors[0], errors[0]
+    # The hung server never answers; the other waits in the same broadcast, so it may not have either.
+    silent = re.search(r"did not complete within 5 s \(rollout.weight_sync_bucket_timeout_s\); no answer from "
+                       r"(\[[^]]*\])", errors[0])
+    assert silent and hang["url"] in silent.group(1), errors[0]
     stopped = max((tmp_path / f"error.rank{r}.txt").stat().st_mtime for r in (0, 1)) - hang["wall"]
     assert 5 <= stopped < 5 + 10, stopped
     print(f"\nserver hung mid-push -> every rank stopped with one WeightSyncError after {stopped:.1f} s")

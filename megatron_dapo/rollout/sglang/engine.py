@@ -34,8 +34,8 @@ Concurrency: each request carries up to `max_batch_size` items and goes to the s
 sequences in flight that admits it now: at most `max_concurrency` requests, and no more sequences
 than the server decodes at once (its running capacity from /server_info: versions.running_capacity).
 Work beyond that waits here, not in SGLang's queue, so `request_timeout_s` bounds a request's own
-generation time however long the batch (blocking `requests` calls on a thread pool of
-max_concurrency x servers threads).
+generation time however long the batch (blocking `requests` calls over one shared connection pool, on
+at most max_concurrency x servers threads, fewer when the open-file limit is lower: sglang/client.py).
 A request whose server refuses or drops the connection takes that server out of the rotation
 (`self.pool`, sglang/health.py: polled, restarted when the trainer launched it, back with the current
 weights) and is re-sent at once to another server without using a retry; with no server up for
@@ -327,6 +327,8 @@ class SGLangEngine(RolloutEngine):
             failed.set()
             for f in futures:
                 f.cancel()
+            if "can't start new thread" not in str(e):
+                raise
             raise RolloutEngineError(f"the SGLang client could not start a worker thread ({e}): the process or "
                                      f"thread limit (ulimit -u) is below the {self.request_slots} request slots "
                                      "(rollout.max_concurrency x servers, within the open-file limit)") from e
@@ -656,8 +658,8 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/flush_cache", None)
 
     def health(self, *, deep: bool = False) -> dict[str, Any]:
-        """Per server: its state, whether it answers (with `deep`, /health: a generation, only on servers
-        that hold their memory and are not paused) and its model info."""
+        """Per server: its state, whether it answers (with `deep`, /health_generate: a generation, only on
+        servers that hold their memory and are not paused) and its model info."""
         servers = []
         for url in self.urls:
             entry: dict[str, Any] = {"url": url, "state": self.pool.state[url]}
@@ -675,14 +677,15 @@ class SGLangEngine(RolloutEngine):
         }
 
     def probe(self, url: str, *, deep: bool = True) -> Probe:
-        """One health check (health.py): /health when `deep` (SGLang runs a one-token generation when idle,
-        so a hung scheduler fails it: the pool asks for it only on servers that hold their memory and are
-        not paused), then the weight version from /model_info (no forward)."""
+        """One health check (health.py): /health_generate when `deep` (a one-token generation when the server
+        is idle, so a hung scheduler fails it: the pool asks for it only on servers that hold their memory
+        and are not paused), then the weight version from /model_info (no forward). /health_generate, not
+        /health: the servers this trainer launches answer /health without generating (server.SERVER_DEFAULTS)."""
         try:
             if deep:
-                r = requests.get(url + "/health", timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
+                r = requests.get(url + "/health_generate", timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
                 if r.status_code != 200:
-                    return Probe(False, error=f"/health: HTTP {r.status_code}")
+                    return Probe(False, error=f"/health_generate: HTTP {r.status_code}")
             r = requests.get(url + self.features.model_info_path, timeout=(self.connect_timeout_s, HEALTH_TIMEOUT_S))
         except requests.ConnectionError as e:
             if client.is_client_resource_error(e):
@@ -708,10 +711,7 @@ class SGLangEngine(RolloutEngine):
         this sync: stale, or up with the current weights). Returns the servers the sync feeds (live ones);
         with none, waits for one to answer up to server_down_timeout_s, then AllServersDown."""
         def check(url: str) -> None:
-            state = self.pool.state[url]
-            if state == "restarting":  # its restart thread lets it join (health.py)
-                return
-            if state == "down":
+            if self.pool.state[url] in ("down", "restarting"):
                 p = self.pool.check(url)
                 if p.answers:
                     self.pool.observe(url, p)

@@ -18,10 +18,12 @@ What SGLang 0.5.23 does that the states rule out (read in its source; tests/stan
 
 - /health *is* a one-token generation when the scheduler is idle (entrypoints/http_server.py:721-785,
   SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION defaults to true in srt/environ.py:344; the scheduler skips it
-  only when busy, managers/scheduler.py:2241). A forward over released weights or KV cache reads memory
-  torch_memory_saver unmapped: the scheduler dies. So a released or paused server is probed by /model_info
-  only (the tokenizer manager answers it, no forward); the generating probe runs only on servers that
-  hold all their memory.
+  only when busy, managers/scheduler.py:2241), and /health_generate always is. A forward over released
+  weights or KV cache reads memory torch_memory_saver unmapped: the scheduler dies. So a released or
+  paused server is probed by /model_info only (the tokenizer manager answers it, no forward); the
+  generating probe (/health_generate) runs only on servers that hold all their memory; and the servers
+  the trainer launches answer /health without generating (server.SERVER_DEFAULTS), so a launcher's or a
+  relaunch's readiness wait never runs a forward either.
 - /release_memory_occupation asserts the scheduler is fully idle
   (managers/scheduler_components/weight_updater.py:338-341): a release waits until the server has no
   generation request and no generating probe in flight (the probe's own generation counts), and new
@@ -43,7 +45,7 @@ Control calls (pause, continue, release, resume) go to every live server; one th
 it raise AllServersDown, naming each.
 
 The poller is one daemon thread: every `interval_s` it probes each server (`probe(url, deep=...)`; deep:
-/health, then the weight version from /model_info). With no server up for `down_timeout_s`,
+/health_generate, then the weight version from /model_info). With no server up for `down_timeout_s`,
 `check_any_up` (from the engine's wait for a server, and `wait_for_targets` before a sync) raises
 AllServersDown, naming every server and its last error: the run stops instead of waiting forever.
 
@@ -256,9 +258,9 @@ class ServerPool:
         threading.Thread(target=self._restart, args=(url,), name=f"sglang-restart-{url}", daemon=True).start()
 
     def _restart(self, url: str) -> None:
-        """The relaunch, in its own thread. The launcher's readiness wait (/health, a generation) owns the
-        new process until it returns: only then does the pool probe it (no generation) and let it join
-        (released first while the actor trains), so no generating probe meets a released server."""
+        """The relaunch, in its own thread; once the launcher's readiness wait returns, the new process is
+        probed (no generation) and joins at once (released first while the actor trains) instead of at the
+        poller's next round. (The launcher's wait runs no generation: server.SERVER_DEFAULTS.)"""
         try:
             self.restart(url)
         except Exception as e:  # noqa: BLE001 - the poller keeps it down; logged with the reason
@@ -499,11 +501,9 @@ class ServerPool:
             return [self._s[u].epoch for u in urls]
 
     def poll_once(self, pool: ThreadPoolExecutor | None = None) -> None:
-        """Probe every server once and apply what it shows (the poller's round; tests call it directly).
-        A server being relaunched is left to its restart thread (`_restart`)."""
-        urls = [u for u in self.urls if self._s[u].life != RESTARTING]
-        results = list(pool.map(self.check, urls)) if pool is not None else [self.check(u) for u in urls]
-        for url, p in zip(urls, results, strict=True):
+        """Probe every server once and apply what it shows (the poller's round; tests call it directly)."""
+        results = list(pool.map(self.check, self.urls)) if pool is not None else [self.check(u) for u in self.urls]
+        for url, p in zip(self.urls, results, strict=True):
             self.observe(url, p)
 
     def observe(self, url: str, p: Probe) -> None:

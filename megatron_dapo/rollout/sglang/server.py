@@ -268,14 +268,22 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron's communication overlap, which would 
 launches on one hardware queue."""
 
 
+SERVER_DEFAULTS = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""Set on every launched server unless the user's environment or rollout.server_env says otherwise: /health
+then answers whether the server is up without running a generation (SGLang 0.5.23 runs one by default,
+srt/environ.py:344, entrypoints/http_server.py:745-749), so the launch's own readiness wait and a restart's
+never run a forward, which on a colocated server whose memory the pool released would kill it. The pool's
+generating check uses /health_generate explicitly, only where it is safe (health.py)."""
+
+
 def server_environment(extra: dict[str, str] | None) -> dict[str, str]:
-    """The environment a server starts with: this process's, without torchrun's rendezvous variables and the
-    trainer-only ones (TRAINER_ONLY_VARIABLES, NVTE_*), plus `extra`. SGLang's scheduler initialises torch.distributed for its own TP group: with a launching rank's
+    """The environment a server starts with: SERVER_DEFAULTS, then this process's, without torchrun's rendezvous
+    variables and the trainer-only ones (TRAINER_ONLY_VARIABLES, NVTE_*), plus `extra`. SGLang's scheduler initialises torch.distributed for its own TP group: with a launching rank's
     RANK / WORLD_SIZE / MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE it waits forever on the trainer's
     rendezvous store instead of creating its own (measured: 0.5.23 hangs in init_process_group)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES + TRAINER_ONLY_VARIABLES
            and not k.startswith(("TORCHELASTIC_", "NVTE_"))}
-    return {**env, **(extra or {})}
+    return {**SERVER_DEFAULTS, **env, **(extra or {})}
 
 
 _PATH_FLAGS = ("--model-path", "--tokenizer-path", "--speculative-draft-model-path")
