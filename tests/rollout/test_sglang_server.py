@@ -331,3 +331,17 @@ def test_a_server_launched_by_a_torchrun_rank_does_not_inherit_its_rendezvous(mo
     assert not [k for k in env if k.startswith("TORCHELASTIC_")]
     assert env["OMP_NUM_THREADS"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["MASTER_PORT"] == "1234"  # what the configuration sets explicitly still applies
+
+
+def test_launched_servers_answer_health_without_a_generation_unless_told_otherwise(monkeypatch):
+    """SGLang 0.5.23's /health runs a forward, which on a colocated server with released memory kills it: the
+    launch's and a relaunch's readiness waits poll /health, so launched servers get the generation off (the
+    pool's generating probe is /health_generate, sent only where safe); a value the user sets wins."""
+    from megatron_dapo.rollout.sglang.server import server_environment
+
+    monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", raising=False)
+    assert server_environment(None)["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert server_environment({"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"})[
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "1"
+    monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+    assert server_environment(None)["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"
