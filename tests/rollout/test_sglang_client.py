@@ -71,7 +71,7 @@ def test_1536_requests_under_ulimit_n_1024_finish_with_no_server_marked_down(tmp
     """)
     with StandinServer(toy=True, log_dir=tmp_path) as a, StandinServer(toy=True, log_dir=tmp_path) as b:
         for s in (a, b):
-            s.knobs(delay_s=1.0)
+            s.knobs(delay_s=0.5)
         r = subprocess.run([sys.executable, "-c", script, a.url, b.url], capture_output=True, text=True, cwd=ROOT,
                            timeout=600, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
         assert r.returncode == 0, r.stderr[-4000:]

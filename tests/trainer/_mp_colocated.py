@@ -12,9 +12,9 @@ MODE:
   is loading waits for it (rank 0): on a GPU a generation batch outlasts a relaunch by far (tens of
   minutes against a few), here a step takes a second and a relaunch several, and a relaunch still loading
   at the release would be stopped and started again at the next resume (health.py).
-- push: server 1 is SIGKILLed during a weight-sync bucket of version PUSH_KILL_VERSION (distributed
-  transport): each rank writes the error it stops with to OUT/error.rank<r>.txt.
-- push-hang: the same with SIGSTOP: the server hangs (a wedged GPU) instead of vanishing.
+- push-hang: server 1 is SIGSTOPped (a wedged GPU) during a weight-sync bucket of version PUSH_KILL_VERSION
+  (distributed transport), and SIGKILLed once the run stopped: each rank writes the error it stops with to
+  OUT/error.rank<r>.txt.
 
 Rank 0 writes OUT/report.json: per server its URL, the pids it ran as, the pool's events, and at the end
 whether each server's tensors equal the actor's own HF export (sha256 per tensor, per TP rank) and the
@@ -56,7 +56,7 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
 
         def kill(url: str, when: str) -> None:
             pid = _pid(url)
-            os.kill(pid, signal.SIGSTOP if mode == "push-hang" else signal.SIGKILL)
+            os.kill(pid, signal.SIGSTOP if mode == "push-hang" else signal.SIGKILL)  # hung, or gone
             report["kills"].append({"url": url, "pid": pid, "when": when, "step": trainer.global_step + 1,
                                     "wall": time.time()})
 
@@ -89,7 +89,7 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
                 return out
 
             engine.generate_batch = paced_generate_batch
-        elif mode in ("push", "push-hang"):
+        elif mode == "push-hang":
             sync = trainer.sync_weights.sync
             send = sync._send_bucket
 

@@ -8,9 +8,9 @@ included; a release while busy; a resume of a tag never released; tests/standin/
   finishes every step on the survivor, each dead server is relaunched by the trainer (the first only when
   the rollout phase begins), goes through a release and resume before its first weight sync, and ends up
   with the actor's weights; no server ever sees a forward while released.
-- One server SIGKILLed during a bucket of a distributed weight push: every rank stops with the same
-  WeightSyncError naming it, and a new start resumes from the checkpoint. One that hangs there (SIGSTOP):
-  the same error once rollout.weight_sync_bucket_timeout_s has passed, not after the group's timeout.
+- One server hung (SIGSTOP, then SIGKILL) during a bucket of a distributed weight push: every rank stops
+  with the same WeightSyncError naming it once rollout.weight_sync_bucket_timeout_s has passed (not after
+  the group's timeout), and a new start resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -131,45 +130,29 @@ def test_colocated_servers_killed_in_training_and_in_generation_are_relaunched_a
 
 @pytest.mark.timeout(900)
 @pytest.mark.multiproc
-def test_a_server_killed_during_a_distributed_push_stops_every_rank_with_one_error_then_the_run_resumes(hf_dir,
-                                                                                                        tmp_path):
-    rc = _torchrun(tmp_path / "run", "push", _overrides(hf_dir, 3, "trainer.save_freq=1",
-                                                        f"trainer.default_local_dir={tmp_path / 'ckpt'}"))
-    log = (tmp_path / "run/launch.log").read_text(errors="replace")
-    assert rc != 0, log[-6000:]
-    report = json.loads((tmp_path / "run/report.json").read_text())
-    (kill,) = report["kills"]
-    assert kill["when"] == "push" and kill["step"] == 2
+def test_a_server_hung_then_killed_during_a_distributed_push_stops_every_rank_at_the_bucket_deadline_and_resumes(
+        hf_dir, tmp_path):
+    """SIGSTOP during bucket 2 of version 2 (a wedged server: the broadcast cannot complete for any member),
+    SIGKILL once the run has stopped. (A server that vanishes outright fails the bucket at once, with the
+    same error.)"""
+    more = ("trainer.save_freq=1", f"trainer.default_local_dir={tmp_path / 'ckpt'}", "rollout.weight_sync_bucket_timeout_s=5")
+    rc = _torchrun(tmp_path / "run", "push-hang", _overrides(hf_dir, 3, *more))
+    assert rc != 0, (tmp_path / "run/launch.log").read_text(errors="replace")[-6000:]
+    (hang,) = json.loads((tmp_path / "run/report.json").read_text())["kills"]
+    assert hang["when"] == "push" and hang["step"] == 2
     errors = [(tmp_path / f"run/error.rank{r}.txt").read_text() for r in (0, 1)]
     assert errors[0] == errors[1] and errors[0].startswith("WeightSyncError: weight sync failed: rank 0 (stage 0): "), errors
-    assert kill["url"] in errors[0], errors[0]
-    stopped = max((tmp_path / f"run/error.rank{r}.txt").stat().st_mtime for r in (0, 1)) - kill["wall"]
-    assert stopped < BUCKET_TIMEOUT_S + 10, stopped
-    print(f"\nserver killed mid-push -> every rank stopped with one WeightSyncError after {stopped:.1f} s")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step")) == ["global_step_1"]
-
-    t0 = time.monotonic()
-    rc = _torchrun(tmp_path / "again", "steady", _overrides(hf_dir, 3, "trainer.save_freq=1",
-                                                            f"trainer.default_local_dir={tmp_path / 'ckpt'}"))
-    assert rc == 0, (tmp_path / "again/launch.log").read_text(errors="replace")[-6000:]
-    assert sorted(_scalars(tmp_path / "again")["actor/pg_loss"]) == [2, 3]  # resumed after step 1
-    assert json.loads((tmp_path / "again/report.json").read_text())["weights_equal"] == {
-        u: True for u in json.loads((tmp_path / "again/report.json").read_text())["urls"]}
-    print(f"resumed and finished in {time.monotonic() - t0:.0f} s")
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.multiproc
-def test_a_server_hanging_during_a_distributed_push_stops_every_rank_at_the_bucket_deadline(hf_dir, tmp_path):
-    rc = _torchrun(tmp_path, "push-hang", _overrides(hf_dir, 3, "rollout.weight_sync_bucket_timeout_s=5"))
-    assert rc != 0, (tmp_path / "launch.log").read_text(errors="replace")[-6000:]
-    (hang,) = json.loads((tmp_path / "report.json").read_text())["kills"]
-    errors = [(tmp_path / f"error.rank{r}.txt").read_text() for r in (0, 1)]
-    assert errors[0] == errors[1], errors
     # The hung server never answers; the other waits in the same broadcast, so it may not have either.
     silent = re.search(r"did not complete within 5 s \(rollout.weight_sync_bucket_timeout_s\); no answer from "
                        r"(\[[^]]*\])", errors[0])
     assert silent and hang["url"] in silent.group(1), errors[0]
-    stopped = max((tmp_path / f"error.rank{r}.txt").stat().st_mtime for r in (0, 1)) - hang["wall"]
-    assert 5 <= stopped < 5 + 10, stopped
+    stopped = max((tmp_path / f"run/error.rank{r}.txt").stat().st_mtime for r in (0, 1)) - hang["wall"]
+    assert stopped < 5 + 10, stopped  # the bucket deadline, not the group's 600 s
     print(f"\nserver hung mid-push -> every rank stopped with one WeightSyncError after {stopped:.1f} s")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("global_step")) == ["global_step_1"]
+
+    rc = _torchrun(tmp_path / "again", "steady", _overrides(hf_dir, 3, *more))
+    assert rc == 0, (tmp_path / "again/launch.log").read_text(errors="replace")[-6000:]
+    assert sorted(_scalars(tmp_path / "again")["actor/pg_loss"]) == [2, 3]  # resumed after step 1
+    report = json.loads((tmp_path / "again/report.json").read_text())
+    assert report["weights_equal"] == dict.fromkeys(report["urls"], True)
