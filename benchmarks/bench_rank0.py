@@ -1,0 +1,468 @@
+"""Rank 0 at the recipe's volume: one generation batch of the sync trainer, from SGLang's replies to the
+training batch on every rank, on 4 gloo processes, with replies in SGLang 0.5.23's wire format.
+
+The recipes generate 1,536 prompts x 16 = 24,576 rows per generation batch, up to 20,480 response tokens
+each, and rank 0 receives every reply. This runs a stated fraction of that batch (`--rows`, two sizes: the
+costs are fitted linear in rows and extrapolated to 24,576, with the measured figures beside them).
+
+The server side is a replay server in its own process: it answers /server_info and /model_info with the
+replies a real SGLang 0.5.23 CPU server gave (benchmarks/assets, recorded by record_sglang_reply.py; the
+context length raised to the recipe's) and /generate with synthetic replies in the recorded reply's exact
+shape (every key of `meta_info` in its order, SGLang's compact JSON, full-precision log-probs). Response
+lengths are lognormal (sigma `--sigma`), capped at `--max-len`, with mu set so that the capped mean is
+`--mean-len` (the rows take its quantiles, so every size has the same mean); a request (one group of 16) is
+answered when its longest response would end on KV-bound servers (`ReplayServer.schedule`), the last one
+`--window-s-full` x rows / 24,576 seconds after the first request (a 20-minute generation batch at full
+volume). The client therefore parses replies while later ones are still being generated, as in a run.
+
+Every rank runs the trainer's own path: rank 0's `SGLangEngine` (the real client) behind `RankZeroEngine`,
+`stages.generate` (the batch reaches every rank), `stages.score` (each rank decodes its rows with an HF fast
+tokenizer, the project's character vocabulary, and scores them),
+`GroupBuffer` (dynamic sampling, a third of the prompts trained as in the recipe's 512 of 1,536) and
+`share_kept_rows` (the training batch on every rank). Per phase it prints:
+
+- serial seconds after the last reply (every GPU would wait): until rank 0's engine returned the batch, the
+  batch on every rank, scored, dynamic sampling, the training batch on every rank;
+- `score_local_s`: the slowest rank's own decode and reward seconds, the one part that divides by the
+  ranks: `serial_s_at_128_ranks` is the serial time with that part at the recipe's 128 ranks;
+- `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
+  read, parse, row building; Python holds the GIL for nearly all of it);
+- peak resident memory above the start of the batch, per rank;
+- bytes between ranks (tensors and pickled objects rank 0 sent or received).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]
+
+BENCH_PROFILE=DIR writes each rank's cProfile of the phases after generation to DIR/rank<k>.prof.
+
+It ends with one JSON line: `rows`, `mean_response_tokens`, `serial_s_after_last_reply`, `gil_s_in_trainer`,
+`rank0_peak_gib`, `other_rank_peak_gib` extrapolated to 24,576 rows, and `measured` (each size's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import math
+import os
+import pathlib
+import pickle
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ASSETS = ROOT / "benchmarks/assets"
+WORLD, N, FULL_ROWS, RECIPE_WORLD = 4, 16, 24_576, 128
+PROMPT_LEN = 256
+EOS = 2
+
+
+def prompt_ids(i: int) -> list[int]:
+    """Prompt i's tokens (the ranks' records and the replay server's lengths agree on them)."""
+    rng = random.Random(1_000 + i)
+    return [rng.randrange(3, 18) for _ in range(PROMPT_LEN - i % 64)]
+
+
+# -- the replay server ---------------------------------------------------------------------------------
+def capped_lognormal_mu(mean: float, sigma: float, cap: float) -> float:
+    """mu such that E[min(X, cap)] = mean for X ~ lognormal(mu, sigma) (bisection on the closed form)."""
+    phi = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+
+    def capped_mean(mu: float) -> float:
+        z = (math.log(cap) - mu) / sigma
+        return math.exp(mu + sigma**2 / 2) * phi(z - sigma) + cap * (1 - phi(z))
+
+    lo, hi = -10.0, math.log(cap) + 10
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if capped_mean(mid) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+class ReplayServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048
+
+    def __init__(self, port: int, *, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float):
+        self.max_len, self.window_s = max_len, window_s
+        self.mu, self.sigma = capped_lognormal_mu(mean_len, sigma, max_len), sigma
+        info = json.loads((ASSETS / "sglang-0.5.23-server-info.json").read_text())
+        # The recipe's context: prompt + max_response_length (the recorded tiny server had 66 positions).
+        info.update(context_length=PROMPT_LEN + max_len + 2, max_req_input_len=PROMPT_LEN + max_len - 4,
+                    max_running_requests=rows)
+        self.infos = {"/server_info": json.dumps(info).encode(),
+                      "/model_info": (ASSETS / "sglang-0.5.23-model-info.json").read_bytes()}
+        record = json.loads((ASSETS / "sglang-0.5.23-generate-reply.json").read_bytes())[0]
+        self.meta_keys = [k for k in record["meta_info"] if k != "routed_experts"]
+        # Entries are built from a table of recorded-looking triples: [logprob, token, null] with the
+        # log-prob at full double precision, as SGLang's orjson writes it.
+        rng = random.Random(5)
+        self.table = [(t, repr(-rng.expovariate(1.2)), chr(ord("0") + t - 3) if t < 13 else "+-*= "[t - 13])
+                      for t in range(3, 18) for _ in range(64)]
+        self.t0: float | None = None
+        self.lock = threading.Lock()
+        # Every size draws the same distribution exactly: row lengths are its quantiles at (i + 0.5) / rows,
+        # shuffled (seeded) over the groups; a group is found by its prompt (the ranks build the same ones).
+        dist = statistics.NormalDist(self.mu, sigma)
+        quantiles = [min(max(int(math.exp(dist.inv_cdf((i + 0.5) / rows))), 1), max_len) for i in range(rows)]
+        random.Random(11).shuffle(quantiles)
+        self.group_of = {tuple(prompt_ids(i)): i for i in range(rows // N)}
+        self.quantiles = quantiles
+        self.due = self.schedule(rows // N, window_s)
+        # Every reply is built before the port opens: while the client parses, this process only writes bytes.
+        self.replies = [self.build(g, prompt_ids(g)) for g in range(rows // N)]
+        super().__init__(("127.0.0.1", port), ReplayHandler)
+
+    def schedule(self, groups: int, window_s: float) -> list[float]:
+        """When each group's reply is due (seconds after the first request). The servers are KV-bound: a
+        sixteenth of the groups decode at once (the recipe: ~100 sequences of 8k per server, 16 servers,
+        1,536 groups), each admitted in order as a slot frees and running as long as its longest response;
+        the makespan is scaled to the window. The long responses therefore end spread over the window's
+        last part, not all at its end."""
+        slots = [0.0] * max(groups // 16, 1)
+        finish = []
+        for g in range(groups):
+            k = min(range(len(slots)), key=slots.__getitem__)
+            slots[k] += max(self.quantiles[g * N:(g + 1) * N])
+            finish.append(slots[k])
+        return [window_s * f / max(finish) for f in finish]
+
+    def build(self, g: int, prompt: list[int]) -> tuple[list[tuple[bytes, bytes]], float]:
+        """Group g's reply items, each split around its rid (known at request time only), and when the reply
+        is due."""
+        lengths = self.quantiles[g * N:(g + 1) * N]
+        rng = random.Random(g)
+        items = []
+        for L in lengths:
+            picks = [self.table[rng.randrange(len(self.table))] for _ in range(L)]
+            finish = {"type": "length", "length": L} if L == self.max_len else {"type": "stop", "matched": EOS}
+            if finish["type"] == "stop":
+                picks[-1] = (EOS, picks[-1][1], "")
+            ids = [t for t, _, _ in picks]
+            meta = {"id": "RID", "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": "0",
+                    "num_retractions": 0, "input_token_logprobs": [], "output_token_logprobs": None,
+                    "output_token_logprobs_length": L, "reasoning_tokens": 0, "completion_tokens": L,
+                    "cached_tokens": 0, "weight_versions": [{"version": "0", "start": 0, "end": L}],
+                    "cached_tokens_details": None, "dp_rank": None, "e2e_latency": 1.0,
+                    "response_sent_to_client_ts": time.time()}
+            meta = {k: meta[k] for k in self.meta_keys}
+            head = json.dumps({"text": "".join(c for _, _, c in picks), "output_ids": ids, "meta_info": meta},
+                              separators=(",", ":"))
+            entries = "[" + ",".join(f"[{lp},{t},null]" for t, lp, _ in picks) + "]"
+            item = head.replace('"output_token_logprobs":null', f'"output_token_logprobs":{entries}', 1).encode()
+            before, after = item.split(b'"id":"RID"', 1)
+            items.append((before + b'"id":"', b'"' + after))
+        return items, self.due[g]
+
+    def reply(self, body: dict) -> tuple[bytes, float]:
+        """The reply bytes of one batched /generate (one group) and when it is due."""
+        items, due = self.replies[self.group_of[tuple(body["input_ids"][0])]]
+        rids = body["rid"]
+        assert len(rids) == len(items), f"a request of {len(rids)} items; the bench sends one group of {N}"
+        return b"[" + b",".join(b + rid.encode() + a for (b, a), rid in zip(items, rids, strict=True)) + b"]", due
+
+
+class ReplayHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        self._send(self.server.infos.get(path, b"{}"))
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/generate":
+            self._send(b"{}")
+            return
+        with self.server.lock:
+            if self.server.t0 is None:
+                self.server.t0 = time.monotonic()
+        data, due = self.server.reply(body)
+        time.sleep(max(self.server.t0 + due - time.monotonic(), 0))
+        self._send(data)
+
+
+def _serve(port: int, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float) -> None:
+    ReplayServer(port, rows=rows, mean_len=mean_len, sigma=sigma, max_len=max_len,
+                 window_s=window_s).serve_forever()
+
+
+# -- the trainer ranks -----------------------------------------------------------------------------------
+def _count_wire(counter: dict) -> None:
+    """Count the bytes this rank puts on or takes off the gloo group (tensors and pickled objects)."""
+    import torch.distributed as dist
+
+    def tensors(name):
+        fn = getattr(dist, name)
+
+        def wrapped(tensor, *a, **k):
+            counter["bytes"] += tensor.numel() * tensor.element_size()
+            return fn(tensor, *a, **k)
+        setattr(dist, name, wrapped)
+
+    def objects(name, arg):
+        fn = getattr(dist, name)
+
+        def wrapped(*a, **k):
+            counter["bytes"] += sum(len(pickle.dumps(o)) for o in (a[arg] if arg is not None else []) if o is not None) \
+                if name == "broadcast_object_list" else len(pickle.dumps(a[arg]))
+            return fn(*a, **k)
+        setattr(dist, name, wrapped)
+
+    for name in ("broadcast", "send", "recv", "all_reduce"):
+        tensors(name)
+    objects("all_gather_object", 1)
+    objects("gather_object", 0)
+    objects("broadcast_object_list", 0)
+
+
+def _worker(out: str, url: str, rows: int, max_len: int) -> None:
+    import psutil
+    import torch.distributed as dist
+
+    from megatron_dapo.data.dataset import PromptRecord
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.rewards.manager import RewardManager
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.ragged import share_kept_rows
+    from megatron_dapo.rollout.rank0 import RankZeroEngine
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.trainer import stages
+    from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    prompts = rows // N
+    tokenizer = load_tokenizer(os.path.join(out, "tokenizer"))
+    client_cpu = [0.0]
+    replies: list[float] = []
+    engine = None
+    if rank == 0:
+        run_batch = SGLangEngine._run_batch
+
+        def timed_run_batch(self, *a, **k):  # CPU seconds of the client's threads in this process
+            t = time.thread_time()
+            try:
+                return run_batch(self, *a, **k)
+            finally:
+                client_cpu[0] += time.thread_time() - t
+        SGLangEngine._run_batch = timed_run_batch
+        engine = SGLangEngine([url], max_concurrency=prompts, max_batch_size=N, health_check_interval_s=3600,
+                              request_timeout_s=3600)
+        post = engine._http.post
+
+        def timed_post(*a, **k):  # the reply's bytes are read when post returns (no streaming)
+            r = post(*a, **k)
+            replies.append(time.time())
+            return r
+        engine._http.post = timed_post
+    try:  # what the trainer does once its parts are built (trainer/run.py)
+        from megatron_dapo.trainer.run import freeze_startup_objects
+    except ImportError:  # a trainer from before it
+        freeze_startup_objects = None
+    if freeze_startup_objects is not None:
+        freeze_startup_objects()
+    wire = {"bytes": 0}
+    _count_wire(wire)
+    driver = RankZeroEngine(engine, rank=rank, world_size=WORLD, group=group)
+    records = [PromptRecord(uid=f"q{i}", prompt_ids=prompt_ids(i),
+                            raw_prompt="q", ground_truth="even", data_source="synthetic") for i in range(prompts)]
+    sampling = SamplingParams(max_new_tokens=max_len, n=N, temperature=1.0, stop_token_ids=(EOS,))
+    buffer = GroupBuffer(enable=True, metric="acc", max_num_gen_batches=0, on_exhausted="raise",
+                         train_batch_size=prompts // 3, n=N, ppo_mini_batch_size=1, pad_id=0)
+
+    def parity_reward(solution_str, ground_truth):  # about half the rows right: most groups informative
+        ok = solution_str.count("7") % 2 == 0
+        return {"score": float(ok), "acc": ok}
+
+    proc = psutil.Process()
+    marks: dict[str, float] = {}
+    local = [0.0]  # this rank's own scoring work (decode + reward): it divides by the ranks, unlike the rest
+
+    def timed(fn):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                local[0] += time.perf_counter() - t
+        return wrapped
+    tokenizer.decode = timed(tokenizer.decode)
+    with RewardManager(parity_reward, max_response_length=max_len, timeout_s=0) as rm:
+        rm.score = timed(rm.score)
+        import gc
+
+        gc.collect()
+        dist.barrier(group=group)
+        base = proc.memory_info().rss
+        peak = [base]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        if rank == 0:  # when rank 0's engine has the whole batch, before it goes to the other ranks
+            generate_batch = engine.generate_batch
+
+            def marked(*a, **k):
+                batch = generate_batch(*a, **k)
+                marks["engine_batch"] = time.time()
+                return batch
+            engine.generate_batch = marked
+        marks["start"] = time.time()
+        rollout = stages.generate(driver, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len)
+        marks["batch_on_every_rank"] = time.time()
+        profile = None
+        if os.environ.get("BENCH_PROFILE"):  # where the serial seconds after generation go, per rank
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
+        scored = stages.score(rollout, records, n=N, tokenizer=tokenizer, reward_manager=rm, group=group)
+        marks["scored"] = time.time()
+        buffer.add(scored)
+        batch, _ = buffer.take()
+        marks["dynamic_sampling"] = time.time()
+        train = share_kept_rows(batch.rollout, group=group)
+        marks["train_batch"] = time.time()
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"rank{rank}.prof"))
+        done.set()
+        sampler.join()
+    result = {"rank": rank, "peak_gib": (peak[0] - base) / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
+              "client_cpu_s": client_cpu[0], "score_local_s": local[0], "last_reply": max(replies) if replies else None,
+              "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train)}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier(group=group)
+    if engine is not None:
+        engine.close()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PHASES = ("engine_batch", "batch_on_every_rank", "scored", "dynamic_sampling", "train_batch")
+
+
+def _run(rows: int, args) -> dict:
+    window = args.window_s_full * rows / FULL_ROWS
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(rows), str(args.mean_len),
+                               str(args.sigma), str(args.max_len), str(window)], env=env)
+    try:
+        deadline = time.monotonic() + 900  # the server builds every reply before it listens
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        with tempfile.TemporaryDirectory() as out:
+            from tests.sglang_real.model import write_char_tokenizer
+
+            write_char_tokenizer(os.path.join(out, "tokenizer"))  # an HF fast tokenizer, as the recipe's
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr",
+                   "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker", out,
+                   f"http://127.0.0.1:{port}", str(rows), str(args.max_len)]
+            r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+            if r.returncode:
+                sys.exit(r.stdout[-4000:] + r.stderr[-4000:])
+            ranks = [json.loads(pathlib.Path(out, f"rank{k}.json").read_text()) for k in range(WORLD)]
+    finally:
+        server.kill()
+        server.wait()
+    last = ranks[0]["last_reply"]
+    phases, prev = {}, last
+    for name in PHASES:  # each phase ends when the last rank is through it
+        end = max(rk["marks"].get(name, 0.0) for rk in ranks)
+        phases[name] = round(end - prev, 3)
+        prev = end
+    return {"rows": rows, "real_tokens": ranks[0]["real_tokens"], "window_s": round(window, 1),
+            "mean_response_tokens": ranks[0]["real_tokens"] / rows, "train_rows": ranks[0]["train_rows"],
+            "serial_s_after_last_reply": round(prev - last, 3), "phases_s": phases,
+            "score_local_s": round(max(rk["score_local_s"] for rk in ranks), 3),
+            "generation_s": round(last - ranks[0]["marks"]["start"], 1),
+            "gil_s_in_trainer": round(ranks[0]["client_cpu_s"], 2),
+            "rank0_peak_gib": round(ranks[0]["peak_gib"], 3),
+            "other_rank_peak_gib": round(max(rk["peak_gib"] for rk in ranks[1:]), 3),
+            "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
+
+
+def _extrapolate(a: dict, b: dict, key: str) -> float:
+    """The value at FULL_ROWS of the line through the two measured sizes."""
+    slope = (b[key] - a[key]) / (b["rows"] - a["rows"])
+    return round(a[key] + slope * (FULL_ROWS - a["rows"]), 2)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        port, rows, mean_len, sigma, max_len, window = sys.argv[2:8]
+        _serve(int(port), int(rows), int(mean_len), float(sigma), int(max_len), float(window))
+        return
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs=2, default=[768, 1536], help="two sizes (multiples of 16)")
+    p.add_argument("--mean-len", type=int, default=6000)
+    p.add_argument("--sigma", type=float, default=0.8)
+    p.add_argument("--max-len", type=int, default=20480)
+    p.add_argument("--window-s-full", type=float, default=1200.0,
+                   help="generation seconds of the full 24,576-row batch (scaled by rows)")
+    args = p.parse_args()
+    figures = []
+    for rows in args.rows:
+        f = _run(rows, args)
+        figures.append(f)
+        print(f"{rows} rows, {f['real_tokens']:,} response tokens (mean {f['mean_response_tokens']:.0f}), "
+              f"generation {f['generation_s']} s: serial after the last reply {f['serial_s_after_last_reply']} s "
+              f"{f['phases_s']}; client CPU in the trainer {f['gil_s_in_trainer']} s; peak rank 0 "
+              f"{f['rank0_peak_gib']} GiB, others {f['other_rank_peak_gib']} GiB; wire rank 0 "
+              f"{f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
+    a, b = figures
+    full = {k: _extrapolate(a, b, k) for k in ("serial_s_after_last_reply", "gil_s_in_trainer", "rank0_peak_gib",
+                                               "other_rank_peak_gib", "score_local_s")}
+    # Each rank decodes and scores rows / world rows: at the recipe's 128 ranks that share is 4 / 128 of this
+    # run's; every other phase is rank 0's work or a collective over all rows, kept as measured.
+    full["serial_s_at_128_ranks"] = round(full["serial_s_after_last_reply"]
+                                          - full["score_local_s"] * (1 - WORLD / RECIPE_WORLD), 2)
+    phases = {name: round(a["phases_s"][name] + (b["phases_s"][name] - a["phases_s"][name]) / (b["rows"] - a["rows"])
+                          * (FULL_ROWS - a["rows"]), 2) for name in PHASES}
+    print(f"extrapolated to {FULL_ROWS} rows: {full}, phases {phases}")
+    print(json.dumps({"trainer": "sync", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,
+                      "max_len": args.max_len, **full, "phases_s": phases, "extrapolated_from": [f["rows"] for f in figures],
+                      "measured": figures}))
+
+
+if __name__ == "__main__":
+    main()

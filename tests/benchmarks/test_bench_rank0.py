@@ -1,0 +1,53 @@
+"""bench_rank0.py's replay server answers in the recorded SGLang 0.5.23 reply's shape, at the stated lengths."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import statistics
+
+import orjson
+
+from megatron_dapo.rollout.sglang.payloads import parse_generate_output
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "benchmarks" / "assets"
+_spec = importlib.util.spec_from_file_location("bench_rank0", ROOT / "benchmarks" / "bench_rank0.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_capped_lognormal_mu_gives_the_stated_capped_mean():
+    for mean, sigma, cap in ((6000, 0.8, 20480), (500, 1.0, 4096)):
+        mu = bench.capped_lognormal_mu(mean, sigma, cap)
+        d = statistics.NormalDist(mu, sigma)
+        n = 200_000  # the capped mean by quadrature over the quantiles
+        got = sum(min(math.exp(d.inv_cdf((i + 0.5) / n)), cap) for i in range(n)) / n
+        assert abs(got - mean) / mean < 1e-3
+
+
+def test_replay_replies_have_the_recorded_keys_in_order_and_parse_as_the_client_parses_them():
+    rows = 64
+    server = bench.ReplayServer(0, rows=rows, mean_len=300, sigma=0.8, max_len=2048, window_s=10.0)
+    try:
+        recorded = json.loads((ASSETS / "sglang-0.5.23-generate-reply.json").read_bytes())[0]
+        rids = [f"call-0.0.{j:02d}" for j in range(bench.N)]
+        lengths = []
+        for g in range(rows // bench.N):
+            data, due = server.reply({"input_ids": [bench.prompt_ids(g)] * bench.N, "rid": rids})
+            items = orjson.loads(data)
+            assert 0 < due <= 10.0
+            for j, item in enumerate(items):
+                assert list(item) == list(recorded)
+                assert list(item["meta_info"]) == [k for k in recorded["meta_info"] if k != "routed_experts"]
+                assert item["meta_info"]["id"] == rids[j]
+                parsed = parse_generate_output(item, request="r", max_new_tokens=2048)
+                assert parsed.token_ids.tolist() == item["output_ids"]
+                ends = parsed.finish_reason == "stop"  # the stop token, last, has no text (skip_special_tokens)
+                assert len(item["text"]) == len(item["output_ids"]) - ends
+                assert item["output_ids"][-1] == 2 or not ends
+                lengths.append(len(parsed.token_ids))
+        assert sorted(lengths) == sorted(server.quantiles) and abs(sum(lengths) / rows - 300) < 30
+        assert max(server.due) == 10.0
+    finally:
+        server.server_close()
