@@ -163,7 +163,9 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
+        # A tensor or array goes as it is: transformers lists it with one .tolist(), where a Python list gets
+        # an isinstance check per element (0.4-0.7 us a token, two thirds of a long response's decode).
+        return self._tok.decode(ids if hasattr(ids, "tolist") else list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The tokenizer's chat template with the generation prompt when it has one; otherwise

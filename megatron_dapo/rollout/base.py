@@ -33,9 +33,11 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from megatron_dapo.rollout.ragged import RaggedRows
 
 FINISH_REASONS = ("stop", "length", "abort")
 """stop: an EOS / stop token ended the response (it is included); length: max_new_tokens reached;
@@ -258,9 +260,10 @@ class RolloutEngine(abc.ABC):
     def generate_batch(
         self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int, max_response_length: int
     ) -> RolloutBatch:
-        """`generate`, as the tensor record the trainer consumes (engines driven from one rank ship it
-        to the others as tensors instead of Python samples)."""
-        return samples_to_batch(self.generate(prompts, sampling), pad_id=pad_id, max_response_length=max_response_length)
+        """`generate`, as the tensor record the trainer consumes, ragged (rollout/ragged.py: real tokens only;
+        engines driven from one rank ship it to the others as tensors instead of Python samples)."""
+        return samples_to_ragged(self.generate(prompts, sampling), n=sampling.n, pad_id=pad_id,
+                                 max_response_length=max_response_length)
 
     supports_streaming: bool = False
     """Whether `generate_streaming` is implemented (algorithm.filter_groups.streaming needs it)."""
@@ -273,8 +276,8 @@ class RolloutEngine(abc.ABC):
     def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
                                  max_response_length: int, on_groups_done: GroupsDone) -> RolloutBatch:
         """`generate_streaming`, as the tensor record (see `generate_batch`)."""
-        return samples_to_batch(self.generate_streaming(prompts, sampling, on_groups_done=on_groups_done),
-                                pad_id=pad_id, max_response_length=max_response_length)
+        return samples_to_ragged(self.generate_streaming(prompts, sampling, on_groups_done=on_groups_done),
+                                 n=sampling.n, pad_id=pad_id, max_response_length=max_response_length)
 
     @abc.abstractmethod
     def update_weights(
@@ -344,6 +347,81 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.responses.shape[0]
+
+
+class BatchRow(NamedTuple):
+    """One response as an engine hands it to `ragged_batch`: its real tokens only."""
+
+    tokens: torch.Tensor  # [R] int64
+    log_probs: torch.Tensor  # [R] float32
+    finish_reason: str
+    policy_version: int
+    meta: dict[str, Any]
+    routed_experts: torch.Tensor | None
+
+
+def prompt_rows(prompts: Sequence[PromptInput], n: int, pad_id: int) -> RaggedRows:
+    """The prompt tokens of a prompt-major batch (n rows per prompt), ragged: one tensor per prompt, each
+    repeated n times by a copy (no per-token Python work for the n - 1 copies)."""
+    per_prompt = [torch.tensor(p.token_ids, dtype=torch.int64) for p in prompts]
+    lengths = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.int64).repeat_interleave(n)
+    values = torch.cat([t for t in per_prompt for _ in range(n)]) if per_prompt else torch.zeros(0, dtype=torch.int64)
+    return RaggedRows(values, lengths, torch.ones(len(lengths), dtype=torch.bool),
+                      int(lengths.max()) if len(lengths) else 0, pad_id)
+
+
+def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[torch.Tensor],
+                 log_probs: Sequence[torch.Tensor], *, finish_reason: Sequence[str], policy_version: Sequence[int],
+                 meta: Sequence[dict], routed_experts: Sequence[torch.Tensor | None], pad_id: int,
+                 max_response_length: int) -> RolloutBatch:
+    """The ragged RolloutBatch (rollout/ragged.py: real tokens only, every row present) of a prompt-major
+    generation: n rows per prompt, row b's response `responses[b]` (int64) with `log_probs[b]` (float32).
+    Its cost is one copy of the tokens, whatever max_response_length."""
+    B = len(responses)
+    if B != len(prompts) * n or not B:
+        raise ValueError(f"ragged_batch: {B} rows for {len(prompts)} prompts x n={n}")
+    lengths = torch.tensor([len(t) for t in responses], dtype=torch.int64)
+    too_long = torch.nonzero(lengths > max_response_length).squeeze(1)
+    if len(too_long):
+        b = int(too_long[0])
+        raise ValueError(f"ragged_batch: row {b} (prompt_id={prompts[b // n].prompt_id!r}, sample_index={b % n}) has "
+                         f"{int(lengths[b])} response tokens > max_response_length={max_response_length}")
+    present = torch.ones(B, dtype=torch.bool)
+    return RolloutBatch(
+        prompt_ids=prompt_rows(prompts, n, pad_id),
+        prompt_length=torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.int64).repeat_interleave(n),
+        responses=RaggedRows(torch.cat(list(responses)).to(torch.int64), lengths, present, max_response_length, pad_id),
+        response_mask=None,
+        rollout_log_probs=RaggedRows(torch.cat(list(log_probs)).to(torch.float32), lengths.clone(), present.clone(),
+                                     max_response_length, 0.0),
+        response_length=lengths,
+        sample_index=torch.arange(B, dtype=torch.int64) % n,
+        policy_version=torch.tensor(list(policy_version), dtype=torch.int64),
+        aborted=torch.tensor([f == "abort" for f in finish_reason], dtype=torch.bool),
+        finish_reason=list(finish_reason),
+        index=[p.prompt_id for p in prompts for _ in range(n)],
+        meta=[dict(m) for m in meta],
+        routed_experts=list(routed_experts) if any(r is not None for r in routed_experts) else None,
+    )
+
+
+def samples_to_ragged(samples: Sequence[Sample], *, n: int, pad_id: int, max_response_length: int) -> RolloutBatch:
+    """`ragged_batch` of an engine's Samples (prompt-major, n per prompt: the ordering contract)."""
+    if not samples:
+        raise ValueError("samples_to_ragged: samples is empty")
+    prompts = [PromptInput(s.prompt_id, s.prompt_token_ids) for s in samples[::n]]
+    for row, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise TypeError(f"samples_to_ragged: samples[{row}] must be a Sample, got {type(s).__name__}")
+        if s.sample_index != row % n or s.prompt_id != prompts[row // n].prompt_id:
+            raise ValueError(f"samples_to_ragged: row {row} is ({s.prompt_id!r}, {s.sample_index}), not prompt-major "
+                             f"with n={n}")
+    return ragged_batch(prompts, n, [torch.tensor(s.response_token_ids, dtype=torch.int64) for s in samples],
+                        [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
+                        finish_reason=[s.finish_reason for s in samples],
+                        policy_version=[s.policy_version for s in samples], meta=[s.meta for s in samples],
+                        routed_experts=[s.routed_experts for s in samples], pad_id=pad_id,
+                        max_response_length=max_response_length)
 
 
 def right_padded(rows: Sequence[Sequence], width: int, fill, dtype: torch.dtype, device=None) -> torch.Tensor:

@@ -42,6 +42,7 @@ from megatron_dapo.rollout.base import (
     Sample,
     SamplingParams,
     check_generate_inputs,
+    prompt_rows,
 )
 from megatron_dapo.rollout.ragged import RaggedRows, to_ragged
 
@@ -86,10 +87,8 @@ def decode_batch(wire: dict[str, torch.Tensor], prompts: Sequence[PromptInput], 
     B = lengths.numel()
     if B != len(prompts) * n:
         raise DriverError(f"rank 0 sent {B} rows for {len(prompts)} prompts x n={n}")
-    rows = [prompts[b // n] for b in range(B)]
-    prompt_length = torch.tensor([len(p.token_ids) for p in rows], dtype=torch.int64)
-    prompt_ids = RaggedRows(torch.tensor([t for p in rows for t in p.token_ids], dtype=torch.int64), prompt_length,
-                            torch.ones(B, dtype=torch.bool), int(prompt_length.max()), pad_id)
+    prompt_ids = prompt_rows(prompts, n, pad_id)
+    prompt_length = prompt_ids.lengths.clone()
     present = torch.zeros(B, dtype=torch.bool)
     present[rows_of(rank, world, B)] = True
     finish = [FINISH_REASONS[int(i)] for i in wire["finish"]]
@@ -101,7 +100,7 @@ def decode_batch(wire: dict[str, torch.Tensor], prompts: Sequence[PromptInput], 
         rollout_log_probs=RaggedRows(wire["log_probs"], lengths.clone(), present.clone(), max_response_length, 0.0),
         response_length=lengths.clone(), sample_index=torch.arange(B, dtype=torch.int64) % n,
         policy_version=wire["policy_version"].clone(), aborted=torch.tensor([f == "abort" for f in finish]),
-        finish_reason=finish, index=[p.prompt_id for p in rows],
+        finish_reason=finish, index=[p.prompt_id for p in prompts for _ in range(n)],
         meta=json.loads(meta_text) if meta_text else [{} for _ in range(B)])
 
 

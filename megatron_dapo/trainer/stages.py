@@ -21,7 +21,7 @@ from megatron_dapo.rollout.base import (
     PromptInput,
     RolloutEngine,
     SamplingParams,
-    samples_to_batch,
+    samples_to_ragged,
 )
 from megatron_dapo.rollout.ragged import RaggedRows
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
@@ -87,7 +87,7 @@ def score(rollout, records: Sequence[PromptRecord], *, n: int, tokenizer, reward
     mine = list(range(rank, len(rollout), world))  # the rows rollout/rank0.py sent this rank
     # Only this rank's rows, and only their real tokens, become Python ints (the padded matrix as lists
     # would cost 40 B per element: ~19 GiB per rank at 24,576 x 20,480).
-    texts = [tokenizer.decode(response_tokens(rollout, i).tolist()) for i in mine]
+    texts = [tokenizer.decode(response_tokens(rollout, i)) for i in mine]
     shard: dict = {"rows": mine, "score": [], "reward": [], "extra": {}, "error": None}
     try:
         if mine:
@@ -193,8 +193,8 @@ def group_scorer(records: Sequence[PromptRecord], *, group_suffix: str, n: int, 
     by_id = {group_id(r, group_suffix): r for r in records}
 
     def score_groups(groups):
-        rollout = samples_to_batch([s for g in groups for s in g], pad_id=pad_id,
-                                   max_response_length=max_response_length)
+        rollout = samples_to_ragged([s for g in groups for s in g], n=n, pad_id=pad_id,
+                                    max_response_length=max_response_length)
         return score(rollout, [by_id[g[0].prompt_id] for g in groups], n=n, tokenizer=tokenizer,
                      reward_manager=reward_manager)
 

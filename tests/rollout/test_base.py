@@ -15,7 +15,9 @@ from megatron_dapo.rollout.base import (
     check_generate_output,
     derive_sample_seed,
     samples_to_batch,
+    samples_to_ragged,
 )
+from megatron_dapo.rollout.ragged import RaggedRows, to_dense
 
 
 def _sample(
@@ -185,6 +187,43 @@ def test_samples_to_batch_uses_pad_id_and_rejects_overlong_and_empty():
         samples_to_batch([_sample()], pad_id=0, max_response_length=1)
     with pytest.raises(ValueError, match="samples is empty"):
         samples_to_batch([], pad_id=0, max_response_length=4)
+
+
+def test_samples_to_ragged_holds_the_real_tokens_only_and_densifies_to_samples_to_batch():
+    samples = [
+        _sample("a", 0, prompt=(1, 2, 3), resp=(10, 11, 12), logps=(-0.1, -0.2, -0.3), finish="length", version=4),
+        _sample("a", 1, prompt=(1, 2, 3), resp=(13,), logps=(-0.4,), finish="stop", version=4),
+        _sample("b", 0, prompt=(7,), resp=(), logps=(), finish="abort", version=5, meta={"spec_verify_ct": 2}),
+        _sample("b", 1, prompt=(7,), resp=(8, 9), logps=(-0.5, -0.6), finish="stop", version=5),
+    ]
+    r = samples_to_ragged(samples, n=2, pad_id=0, max_response_length=4)
+    assert isinstance(r.responses, RaggedRows) and r.response_mask is None
+    assert r.responses.values.tolist() == [10, 11, 12, 13, 8, 9]  # no padding anywhere
+    assert r.prompt_ids.values.tolist() == [1, 2, 3, 1, 2, 3, 7, 7] and r.prompt_ids.width == 3
+    assert r.responses.width == 4 and r.rollout_log_probs.values.dtype == torch.float32
+    dense, ref = to_dense(r), samples_to_batch(samples, pad_id=0, max_response_length=4)
+    for f in dataclasses.fields(ref):
+        a, b = getattr(dense, f.name), getattr(ref, f.name)
+        assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), f.name
+
+
+def test_samples_to_ragged_refuses_rows_out_of_prompt_major_order_and_overlong_rows():
+    a0, a1 = _sample("a", 0), _sample("a", 1)
+    with pytest.raises(ValueError, match=r"row 0 is \('a', 1\), not prompt-major with n=2"):
+        samples_to_ragged([a1, a0], n=2, pad_id=0, max_response_length=4)
+    with pytest.raises(ValueError, match=r"row 1 \(prompt_id='a', sample_index=1\) has 2 response tokens > "
+                                         r"max_response_length=1"):
+        samples_to_ragged([_sample("a", 0, resp=(5,), logps=(-1.0,)), a1], n=2, pad_id=0, max_response_length=1)
+
+
+def test_ragged_dense_is_one_copy_per_row_and_equals_a_masked_scatter():
+    lengths = torch.tensor([3, 0, 5, 1])
+    values = torch.arange(9)
+    rows = RaggedRows(values, lengths, torch.ones(4, dtype=torch.bool), 6, -1)
+    expected = torch.full((4, 6), -1)
+    expected[torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)] = values
+    assert torch.equal(rows.dense(), expected)
+    assert rows.row(2).tolist() == [3, 4, 5, 6, 7] and rows.index_select(torch.tensor([3, 0])).values.tolist() == [8, 0, 1, 2]
 
 
 def test_rollout_engine_is_abstract_and_a_context_manager():

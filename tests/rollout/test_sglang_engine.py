@@ -1,13 +1,22 @@
 """SGLangEngine generation against the SGLang stand-in (tests/standin: its own process, speaking
 SGLang 0.5.23's HTTP protocol, with the toy model so each output is known exactly)."""
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import requests
+import torch
 
-from megatron_dapo.rollout.base import PromptInput, SamplingParams, check_generate_output, derive_sample_seed
+from megatron_dapo.rollout.base import (
+    PromptInput,
+    SamplingParams,
+    check_generate_output,
+    derive_sample_seed,
+    samples_to_batch,
+)
+from megatron_dapo.rollout.ragged import RaggedRows, to_dense
 from megatron_dapo.rollout.sglang.engine import (
     AllServersDown,
     EngineReplyError,
@@ -262,6 +271,22 @@ def test_a_malformed_reply_raises_naming_the_request_and_field(server, mode, mes
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))
 
 
+def test_generate_batch_is_the_ragged_form_of_generate(server):
+    """The engine's own generate_batch (rows made into tensors as each reply arrives) holds exactly what
+    generate's Samples hold, without padding: same seeds, so the same tokens and log-probs."""
+    sampling = SamplingParams(max_new_tokens=6, n=3, seed=7)
+    with _engine(server.url) as eng:
+        samples = eng.generate(PROMPTS, sampling)
+        batch = eng.generate_batch(PROMPTS, sampling, pad_id=0, max_response_length=6)
+    assert isinstance(batch.responses, RaggedRows) and batch.response_mask is None
+    assert batch.responses.values.numel() == sum(len(s.response_token_ids) for s in samples)
+    ref = samples_to_batch(samples, pad_id=0, max_response_length=6)
+    dense = to_dense(batch)
+    for f in dataclasses.fields(ref):
+        a, b = getattr(dense, f.name), getattr(ref, f.name)
+        assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), f.name
+
+
 def _item(tokens, finish="length", **meta):
     m = {"finish_reason": {"type": finish}, "output_token_logprobs": [[-0.1, t, None] for t in tokens],
          "completion_tokens": len(tokens), **meta}
@@ -270,7 +295,8 @@ def _item(tokens, finish="length", **meta):
 
 def test_parse_generate_output_checks_each_field():
     ok = parse_generate_output(_item([4, 5]), request="R", max_new_tokens=2)
-    assert (ok.token_ids, ok.log_probs, ok.finish_reason, ok.meta) == ((4, 5), (-0.1, -0.1), "length", {})
+    assert (ok.token_ids.tolist(), ok.log_probs.tolist(), ok.finish_reason, ok.meta) == ([4, 5], [-0.1, -0.1], "length", {})
+    assert (ok.token_ids.dtype, ok.log_probs.dtype) == (torch.int64, torch.float64)  # the server's doubles, exact
     no_lp = _item([4])
     del no_lp["meta_info"]["output_token_logprobs"]
     with pytest.raises(EngineReplyError, match="R: meta_info.output_token_logprobs missing"):
@@ -286,10 +312,29 @@ def test_parse_generate_output_checks_each_field():
     with pytest.raises(EngineReplyError, match="meta_info missing"):
         parse_generate_output({"text": ""}, request="R", max_new_tokens=4)
     aborted = {"meta_info": {"finish_reason": {"type": "abort"}, "completion_tokens": 0}}
-    assert parse_generate_output(aborted, request="R", max_new_tokens=4).token_ids == ()
+    assert parse_generate_output(aborted, request="R", max_new_tokens=4).token_ids.tolist() == []
     spec = (("spec_verify_ct", "spec_verify_ct"),)
     with pytest.raises(EngineReplyError, match=r"meta_info\.spec_verify_ct must be an int >= 0, got -1"):
         parse_generate_output(_item([4], spec_verify_ct=-1), request="R", max_new_tokens=4, spec=spec)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([-0.1, True, None], r"output_token_logprobs\[1\] token id True is not an int >= 0"),
+    ([-0.1, 4.0, None], r"output_token_logprobs\[1\] token id 4.0 is not an int >= 0"),
+    ([-0.1, "4", None], r"output_token_logprobs\[1\] token id '4' is not an int >= 0"),
+    ([-0.1, -4, None], r"output_token_logprobs\[1\] token id -4 is not an int >= 0"),
+    ([float("inf"), 4, None], r"output_token_logprobs\[1\] log-prob inf is not finite"),
+    (["-0.1", 4, None], r"output_token_logprobs\[1\] log-prob '-0.1' is not finite"),
+    ([-0.1], r"output_token_logprobs\[1\] must be \[logprob, token_id, text\], got \[-0.1\]"),
+    (None, r"output_token_logprobs\[1\] must be \[logprob, token_id, text\], got None"),
+])
+def test_a_bad_log_prob_entry_is_named_by_its_position(entry, message):
+    """The columns are checked in bulk; a failed check names the first bad entry, as the per-entry loop did."""
+    item = _item([4, 5, 6])
+    item["meta_info"]["output_token_logprobs"][1] = entry
+    item.pop("output_ids")
+    with pytest.raises(EngineReplyError, match=message):
+        parse_generate_output(item, request="R", max_new_tokens=4)
 
 
 def _spans(*versions):

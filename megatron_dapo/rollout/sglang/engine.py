@@ -57,17 +57,21 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
+import orjson
 import requests
 import torch
 
 from megatron_dapo.rollout.base import (
+    BatchRow,
     GroupsDone,
     PromptInput,
+    RolloutBatch,
     RolloutEngine,
     RolloutEngineError,
     Sample,
     SamplingParams,
     check_generate_inputs,
+    ragged_batch,
 )
 from megatron_dapo.rollout.sglang import client
 from megatron_dapo.rollout.sglang import weights as sw
@@ -298,6 +302,23 @@ class SGLangEngine(RolloutEngine):
                            "rollout.deterministic_inference=true launches the servers with it")
 
     def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
+        return self._generate(prompts, sampling, self._sample)
+
+    def generate_batch(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
+                       max_response_length: int) -> RolloutBatch:
+        """`generate` as a ragged RolloutBatch: each reply becomes tensors of its real tokens in the worker
+        thread that received it, while later replies are still generated; once the last one is in, the
+        batch is a concatenation (no Python Samples, no padding to max_response_length)."""
+        rows = self._generate(prompts, sampling, self._row)
+        return ragged_batch(prompts, sampling.n, [r.tokens for r in rows], [r.log_probs for r in rows],
+                            finish_reason=[r.finish_reason for r in rows],
+                            policy_version=[r.policy_version for r in rows], meta=[r.meta for r in rows],
+                            routed_experts=[r.routed_experts for r in rows], pad_id=pad_id,
+                            max_response_length=max_response_length)
+
+    def _generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable) -> list:
+        """The rows of one call, prompt-major, each made by make(prompt, j, parsed, version) in the thread
+        that received its reply."""
         self._check_call(prompts, sampling)
         items = [(p, j) for p in prompts for j in range(sampling.n)]
         size = min([self.max_batch_size, *(c for c in self.capacity.values() if c is not None)])
@@ -305,7 +326,7 @@ class SGLangEngine(RolloutEngine):
         aborted = self._abort_event
         failed = threading.Event()  # set when one batch fails: the others stop before sending
         call_id = uuid.uuid4().hex[:12]
-        futures = self._submit_all([(self._run_batch, batch, sampling, f"{call_id}-{k}", aborted, failed)
+        futures = self._submit_all([(self._run_batch, batch, sampling, f"{call_id}-{k}", aborted, failed, None, make)
                                     for k, batch in enumerate(batches)], failed)
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
@@ -419,7 +440,10 @@ class SGLangEngine(RolloutEngine):
         aborted: threading.Event,
         failed: threading.Event,
         running: dict | None = None,
-    ) -> list[Sample]:
+        make: Callable | None = None,
+    ) -> list:
+        """The batch's rows, each make(prompt, j, parsed, version) (default: a Sample)."""
+        make = make or self._sample
         version = self._policy_version
         rids = request_ids(batch_id, 0, len(batch))
         reply, url = None, None
@@ -428,7 +452,8 @@ class SGLangEngine(RolloutEngine):
                                              routed_experts=self.routing is not None)
             reply, url, rids = self._post_generate(payload, batch_id, aborted, failed, running)
         if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
-            return [self._sample(p, j, ParsedOutput((), (), "abort", {}), version) for p, j in batch]
+            nothing = ParsedOutput(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64), "abort", {})
+            return [make(p, j, nothing, version) for p, j in batch]
         if not isinstance(reply, list) or len(reply) != len(batch):
             got = f"a list of {len(reply)}" if isinstance(reply, list) else type(reply).__name__
             raise EngineReplyError(
@@ -436,7 +461,7 @@ class SGLangEngine(RolloutEngine):
             )
         limit = sampling.max_new_tokens
         return [
-            self._sample(
+            make(
                 p,
                 j,
                 parse_generate_output(
@@ -452,27 +477,37 @@ class SGLangEngine(RolloutEngine):
             for (p, j), rid, item in zip(batch, rids, reply, strict=True)
         ]
 
-    def _sample(self, prompt: PromptInput, j: int, parsed: ParsedOutput, version: int) -> Sample:
-        """`version`: this client's weight version when the request was queued. A release without
-        weight-version spans reports only the version at the end; a request queued before a push that
-        ended after it then counts from the version it was queued at (the oldest that may have made its
-        first tokens)."""
+    def _versions(self, parsed: ParsedOutput, version: int) -> tuple[int, int | None]:
+        """(policy_version, first_policy_version) of a reply. `version`: this client's weight version when the
+        request was queued. A release without weight-version spans reports only the version at the end; a
+        request queued before a push that ended after it then counts from the version it was queued at (the
+        oldest that may have made its first tokens)."""
         first = parsed.first_weight_version
         if (first is None and not self.features.weight_version_spans and parsed.weight_version is not None
                 and version < parsed.weight_version):
             first = version
+        return (version if parsed.weight_version is None else parsed.weight_version), first
+
+    def _sample(self, prompt: PromptInput, j: int, parsed: ParsedOutput, version: int) -> Sample:
+        policy_version, first = self._versions(parsed, version)
         return Sample(
             prompt_id=prompt.prompt_id,
             sample_index=j,
             prompt_token_ids=prompt.token_ids,
-            response_token_ids=parsed.token_ids,
-            rollout_log_probs=parsed.log_probs,
+            response_token_ids=tuple(parsed.token_ids.tolist()),
+            rollout_log_probs=tuple(parsed.log_probs.tolist()),
             finish_reason=parsed.finish_reason,
-            policy_version=version if parsed.weight_version is None else parsed.weight_version,
+            policy_version=policy_version,
             meta=dict(parsed.meta),
             routed_experts=parsed.routed_experts,
             first_policy_version=first,
         )
+
+    def _row(self, prompt: PromptInput, j: int, parsed: ParsedOutput, version: int) -> BatchRow:
+        """A reply as one row of a ragged batch (generate_batch): its tensors, log-probs in float32."""
+        policy_version, _ = self._versions(parsed, version)  # a RolloutBatch row keeps the newest, as samples_to_batch
+        return BatchRow(parsed.token_ids, parsed.log_probs.to(torch.float32), parsed.finish_reason, policy_version,
+                        dict(parsed.meta), parsed.routed_experts)
 
     def _post_generate(
         self, payload: dict, batch_id: str, aborted: threading.Event, failed: threading.Event,
@@ -548,8 +583,8 @@ class SGLangEngine(RolloutEngine):
                 raise EngineRequestError(
                     f"{url}/generate batch {batch_id}: HTTP {r.status_code}: {r.text[:500]}"
                 )
-            try:
-                return r.json(), url, rids
+            try:  # orjson: 2.5x faster than json on a reply of 16 x 6k tokens (0.24 against 0.61 us a token)
+                return orjson.loads(r.content), url, rids
             except ValueError as e:
                 raise EngineReplyError(f"{url}/generate batch {batch_id}: reply is not JSON ({e})") from e
         if aborted.is_set():

@@ -21,11 +21,13 @@ without --enable-return-routed-experts (SGLang then captures nothing and says no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import requests
+import torch
 
 from megatron_dapo.rollout.base import (
     FINISH_REASONS,
@@ -60,8 +62,10 @@ class EngineTimeoutError(EngineRequestError):
 class ParsedOutput:
     """One /generate result, validated."""
 
-    token_ids: tuple[int, ...]
-    log_probs: tuple[float, ...]
+    token_ids: torch.Tensor
+    """[R] int64, the response tokens."""
+    log_probs: torch.Tensor
+    """[R] float64, their log-probs as the server wrote them."""
     finish_reason: str
     meta: dict[str, int]
     weight_version: int | None = None
@@ -153,32 +157,13 @@ def parse_generate_output(
         entries = []  # aborted before the first decode step: SGLang may send no log-probs at all
     if not isinstance(entries, list):
         raise EngineReplyError(f"{request}: meta_info.output_token_logprobs missing or not a list")
-    tokens, logps = [], []
-    for i, e in enumerate(entries):
-        if not (isinstance(e, (list, tuple)) and len(e) >= 2):
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] must be [logprob, token_id, text], got {e!r}"
-            )
-        lp, tok = e[0], e[1]
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] token id {tok!r} is not an int >= 0"
-            )
-        if (
-            not isinstance(lp, (int, float))
-            or isinstance(lp, bool)
-            or not (lp == lp and abs(lp) != float("inf"))
-        ):
-            raise EngineReplyError(
-                f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
-            )
-        tokens.append(tok)
-        logps.append(float(lp))
+    tokens, logps = _entries_to_tensors(entries, request=request)
     output_ids = item.get("output_ids")
-    if output_ids is not None and list(output_ids) != tokens:
+    if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != len(tokens)
+                                   or output_ids != tokens.tolist()):
+        got = f"{len(output_ids)} tokens" if isinstance(output_ids, list) else type(output_ids).__name__
         raise EngineReplyError(
-            f"{request}: output_ids ({len(output_ids)} tokens) disagree with meta_info.output_token_logprobs "
-            f"({len(tokens)} tokens)"
+            f"{request}: output_ids ({got}) disagree with meta_info.output_token_logprobs ({len(tokens)} tokens)"
         )
     completion = meta.get("completion_tokens")
     if completion is not None and finish != "abort" and completion != len(tokens):
@@ -197,9 +182,41 @@ def parse_generate_output(
                                f"meta_info.weight_version {version}")
     routed = None if routing is None else parse_routing(meta, request=request, layout=routing, finish=finish,
                                                         num_tokens=routed_tokens(prompt_len, len(tokens)))
-    return ParsedOutput(tuple(tokens), tuple(logps), finish, parse_spec_meta(meta, request=request, fields=spec),
+    return ParsedOutput(tokens, logps, finish, parse_spec_meta(meta, request=request, fields=spec),
                         weight_version=version, routed_experts=routed,
                         first_weight_version=first if version is not None and first != version else None)
+
+
+def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids int64, log-probs float64) of output_token_logprobs ([[logprob, token_id, text], ...]).
+
+    A reply carries up to 16 x 20k entries: the columns are pulled out and checked at C speed (type sets,
+    min, isfinite), about 0.15 us a token; the loop that names the offending entry runs only when a check
+    fails."""
+    try:
+        tokens, logps = [e[1] for e in entries], [e[0] for e in entries]
+    except (TypeError, IndexError, KeyError):
+        tokens = logps = None
+    if (tokens is not None and set(map(type, tokens)) <= {int} and set(map(type, logps)) <= {float, int}):
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        lp = torch.tensor(logps, dtype=torch.float64)
+        if not len(tokens) or (int(tok.min()) >= 0 and bool(torch.isfinite(lp).all())):
+            return tok, lp
+    for i, e in enumerate(entries):
+        if not (isinstance(e, (list, tuple)) and len(e) >= 2):
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] must be [logprob, token_id, text], got {e!r}"
+            )
+        lp, tok = e[0], e[1]
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] token id {tok!r} is not an int >= 0"
+            )
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise EngineReplyError(
+                f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
+            )
+    raise AssertionError(f"{request}: output_token_logprobs failed a check that no entry fails")
 
 
 def first_span_version(spans: Any, *, request: str) -> int | None:
