@@ -226,7 +226,7 @@ def _count_wire(counter: dict) -> None:
             return fn(*a, **k)
         setattr(dist, name, wrapped)
 
-    for name in ("broadcast", "send", "recv", "all_reduce"):
+    for name in ("broadcast", "send", "recv", "isend", "irecv", "all_reduce"):
         tensors(name)
     objects("all_gather_object", 1)
     objects("gather_object", 0)

@@ -323,6 +323,8 @@ def test_parse_generate_output_checks_each_field():
     ([-0.1, 4.0, None], r"output_token_logprobs\[1\] token id 4.0 is not an int >= 0"),
     ([-0.1, "4", None], r"output_token_logprobs\[1\] token id '4' is not an int >= 0"),
     ([-0.1, -4, None], r"output_token_logprobs\[1\] token id -4 is not an int >= 0"),
+    ([-0.1, 2**31, None], r"output_token_logprobs\[1\] token id 2147483648 is not a vocabulary id"),
+    ([-0.1, 2**64, None], r"output_token_logprobs\[1\] token id 18446744073709551616 is not a vocabulary id"),
     ([float("inf"), 4, None], r"output_token_logprobs\[1\] log-prob inf is not finite"),
     (["-0.1", 4, None], r"output_token_logprobs\[1\] log-prob '-0.1' is not finite"),
     ([-0.1], r"output_token_logprobs\[1\] must be \[logprob, token_id, text\], got \[-0.1\]"),

@@ -46,6 +46,10 @@ from megatron_dapo.rollout.sglang.routing import (
 from megatron_dapo.rollout.sglang.versions import ROUTED_EXPERTS_FLAG, SPEC_VERIFY_KEY, ReleaseFeatures
 
 
+MAX_TOKEN_ID = 2**31
+"""Token ids travel between ranks as int32 (rollout.rank0): a larger id is refused at the reply."""
+
+
 class EngineReplyError(RolloutEngineError):
     """A server reply that does not follow the protocol; the message names the request and field."""
 
@@ -198,9 +202,13 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
     except (TypeError, IndexError, KeyError):
         tokens = logps = None
     if (tokens is not None and set(map(type, tokens)) <= {int} and set(map(type, logps)) <= {float, int}):
-        tok = torch.tensor(tokens, dtype=torch.int64)
-        lp = torch.tensor(logps, dtype=torch.float64)
-        if not len(tokens) or (int(tok.min()) >= 0 and bool(torch.isfinite(lp).all())):
+        try:
+            tok = torch.tensor(tokens, dtype=torch.int64)
+            lp = torch.tensor(logps, dtype=torch.float64)
+        except (ValueError, OverflowError, RuntimeError):  # an int beyond int64: named below
+            tok = lp = None
+        if tok is not None and (not len(tokens) or (int(tok.min()) >= 0 and int(tok.max()) < MAX_TOKEN_ID
+                                                     and bool(torch.isfinite(lp).all()))):
             return tok, lp
     for i, e in enumerate(entries):
         if not (isinstance(e, (list, tuple)) and len(e) >= 2):
@@ -212,6 +220,9 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
             raise EngineReplyError(
                 f"{request}: meta_info.output_token_logprobs[{i}] token id {tok!r} is not an int >= 0"
             )
+        if tok >= MAX_TOKEN_ID:
+            raise EngineReplyError(f"{request}: meta_info.output_token_logprobs[{i}] token id {tok} is not a "
+                                   f"vocabulary id (>= 2**31)")
         if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
             raise EngineReplyError(
                 f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
