@@ -27,7 +27,8 @@ tokenizer, the project's character vocabulary, and scores them),
   ranks: `serial_s_at_128_ranks` is the serial time with that part at the recipe's 128 ranks;
 - `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
   read, parse, row building; Python holds the GIL for nearly all of it);
-- peak resident memory above the start of the batch, per rank;
+- peak resident memory above the start of the batch, per rank, beside the planner's figure for the same
+  data path (`plan_host.data_path`: this size, the mean length, no step tensors, 1 text byte a token);
 - bytes between ranks (tensors and pickled objects rank 0 sent or received).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]
@@ -252,6 +253,7 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
     prompts = rows // N
     tokenizer = load_tokenizer(os.path.join(out, "tokenizer"))
     client_cpu = [0.0]
+    held, held_lock = [0, 0], threading.Lock()
     replies: list[float] = []
     engine = None
     if rank == 0:
@@ -263,6 +265,8 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
                 return run_batch(self, *a, **k)
             finally:
                 client_cpu[0] += time.thread_time() - t
+                with held_lock:
+                    held[0] -= 1
         SGLangEngine._run_batch = timed_run_batch
         engine = SGLangEngine([url], max_concurrency=prompts, max_batch_size=N, health_check_interval_s=3600,
                               request_timeout_s=3600)
@@ -271,6 +275,9 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         def timed_post(*a, **k):  # the reply's bytes are read when post returns (no streaming)
             r = post(*a, **k)
             replies.append(time.time())
+            with held_lock:  # replies received and not yet made rows: what the planner's parse term holds
+                held[0] += 1
+                held[1] = max(held[1], held[0])
             return r
         engine._http.post = timed_post
     try:  # what the trainer does once its parts are built (trainer/run.py)
@@ -352,7 +359,7 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         done.set()
         sampler.join()
     result = {"rank": rank, "peak_gib": (peak[0] - base) / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
-              "client_cpu_s": client_cpu[0], "score_local_s": local[0], "last_reply": max(replies) if replies else None,
+              "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0], "last_reply": max(replies) if replies else None,
               "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -401,6 +408,11 @@ def _run(rows: int, args) -> dict:
     finally:
         server.kill()
         server.wait()
+    from megatron_dapo.plan_host import data_path
+
+    planned0, planned = data_path(rows=rows, n=N, train_rows=ranks[0]["train_rows"],
+                                  response_tokens=args.mean_len, max_response_length=args.max_len,
+                                  max_prompt_length=PROMPT_LEN, world=WORLD, text_bytes_per_token=1.0, step_tensors=0)
     last = ranks[0]["last_reply"]
     phases, prev = {}, last
     for name in PHASES:  # each phase ends when the last rank is through it
@@ -415,6 +427,9 @@ def _run(rows: int, args) -> dict:
             "gil_s_in_trainer": round(ranks[0]["client_cpu_s"], 2),
             "rank0_peak_gib": round(ranks[0]["peak_gib"], 3),
             "other_rank_peak_gib": round(max(rk["peak_gib"] for rk in ranks[1:]), 3),
+            "planned_rank0_gib": round(sum(planned0.values()) / 2**30, 3),
+            "planned_other_gib": round(sum(planned.values()) / 2**30, 3),
+            "replies_held_max": ranks[0]["replies_held_max"],
             "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
 
 
@@ -447,7 +462,8 @@ def main() -> None:
         print(f"{rows} rows, {f['real_tokens']:,} response tokens (mean {f['mean_response_tokens']:.0f}), "
               f"generation {f['generation_s']} s: serial after the last reply {f['serial_s_after_last_reply']} s "
               f"{f['phases_s']}; client CPU in the trainer {f['gil_s_in_trainer']} s; peak rank 0 "
-              f"{f['rank0_peak_gib']} GiB, others {f['other_rank_peak_gib']} GiB; wire rank 0 "
+              f"{f['rank0_peak_gib']} GiB, others {f['other_rank_peak_gib']} GiB (planned {f['planned_rank0_gib']}, "
+              f"{f['planned_other_gib']}; replies held at once {f['replies_held_max']}); wire rank 0 "
               f"{f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
     a, b = figures
     full = {k: _extrapolate(a, b, k) for k in ("serial_s_after_last_reply", "gil_s_in_trainer", "rank0_peak_gib",

@@ -90,6 +90,7 @@ import sys
 from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch, expert_id_dtype
+from megatron_dapo.plan_host import HostPlan, check_host, format_host, plan_host
 from megatron_dapo.plan_params import (  # noqa: F401 - re-exported: the planner's public names
     RankParams,
     count_shards,
@@ -401,9 +402,12 @@ def _g(x: float) -> str:
     return f"{x / GIB:.2f} GiB"
 
 
-def check_fits(plan: MemoryPlan) -> None:
-    """Raise ValueError naming every component that does not fit, with its numbers."""
+def check_fits(plan: MemoryPlan, *, host: HostPlan | None = None) -> None:
+    """Raise ValueError naming every component that does not fit, with its numbers (host: the host memory
+    plan of rank 0's node, plan_host.py, checked too when given)."""
     problems = []
+    if host is not None and (problem := check_host(host)):
+        problems.append(problem)
     if plan.train_peak > plan.gpu_memory:
         problems.append(
             f"actor training (pipeline rank {plan.pp_rank}) needs {_g(plan.train_peak)} > GPU "
@@ -502,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-gb", type=float, default=4.0, help="reserve for CUDA/NCCL/fragmentation, GiB")
     p.add_argument("--backend", choices=("te", "local"), default="te",
                    help="layer spec of the GPUs: te (Transformer Engine, the fusions' default on) or local")
+    p.add_argument("--mean-response-tokens", type=int, default=None,
+                   help="plan host memory at this response length (default: every response at max_response_length)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     from megatron_dapo.config import ConfigError, load_config_cli
@@ -516,13 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan))
+    host = plan_host(cfg, memory_plan=plan, response_tokens=args.mean_response_tokens)
+    print(format_host(host))
     if cfg.rollout.engine == "sglang":
         from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
         from megatron_dapo.workers.model_arch import model_arch
 
         print(format_weight_sync(plan_weight_sync_from_config(cfg, arch=model_arch(cfg, vocab_size=0))))
     try:
-        check_fits(plan)
+        check_fits(plan, host=host)
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 1

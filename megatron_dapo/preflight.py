@@ -115,11 +115,11 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
         problems.append((e.key, e.message))
 
     if arch is not None:
-        from megatron_dapo.plan import check_fits, plan_from_config
+        from megatron_dapo.plan import check_fits, plan_from_config, plan_host
 
         try:
             plan = plan_from_config(cfg, arch=arch, gpu_memory_gib=gpu_memory_gib)
-            check_fits(plan)
+            check_fits(plan, host=plan_host(cfg, memory_plan=plan))
             done.append(f"memory plan (training peak {plan.train_peak / 2**30:.1f} GiB of {gpu_memory_gib:g})")
         except ConfigError as e:
             problems.append((e.key, e.message))

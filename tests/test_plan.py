@@ -394,3 +394,45 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
     # rank 0 receives a generation batch's routing: 1536 x 16 rows x 22,528 tokens x 48 layers x 8
     assert r3.router_replay_rank0 == 1536 * 16 * 22_528 * 48 * 8 and plan.router_replay_rank0 == 0
     assert "host: r3 at rank 0      198.00" in format_plan(r3)
+
+
+def test_host_data_path_terms_by_hand():
+    from megatron_dapo.plan_host import REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
+
+    rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
+                             max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
+    dense = 32 * 200 * 16 + 32 * 10 * 8 + 1 * 32 * 200 * 4
+    assert rank0 == {"generation batch": 64 * 100 * 12 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
+                     "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 12 * 2, "training batch": dense}
+    assert other == {"its rows": 16 * 100 * (12 + 2), "kept rows": 32 * 100 * 20, "training batch": dense}
+
+
+def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_naming_the_key():
+    from megatron_dapo.plan_host import check_host, plan_host
+
+    cfg = _cfg("configs/dapo_qwen2.5_32b.yaml")
+    plan = plan_from_config(cfg, gpu_memory_gib=80)
+    host = plan_host(cfg, memory_plan=plan)
+    assert host.rows == 1536 * 16 and host.train_rows == 512 * 16 and host.response_tokens == 20480
+    assert host.rank0["generation batch"] == 24576 * 20480 * 24 and check_host(host) is None
+    assert host.node0_total == host.rank0_total + 7 * host.other_total
+    check_fits(plan, host=host)
+    moe = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3", "trainer.host_memory_gib_per_node=256")
+    moe_plan = plan_from_config(moe, gpu_memory_gib=80)
+    small = plan_host(moe, memory_plan=moe_plan)
+    assert small.rank0["r3 routing"] == moe_plan.router_replay_rank0
+    with pytest.raises(ValueError, match=r"host memory of rank 0's node: \d+\.\d GiB > "
+                                         r"trainer.host_memory_gib_per_node=256 GiB \(rank 0 \d+\.\d GiB, largest: "
+                                         r"r3 routing 198\.0 GiB"):
+        check_fits(moe_plan, host=small)
+    typical = plan_host(moe, memory_plan=moe_plan, response_tokens=6000)
+    assert typical.rank0["generation batch"] == 24576 * 6000 * 24
+
+
+def test_the_planner_prints_host_lines_and_refuses_a_small_node():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_dapo.plan", "--config",  # noqa: E731
+                                     "configs/dapo_qwen2.5_32b.yaml", *a], cwd=REPO, capture_output=True, text=True)
+    ok = run()
+    assert ok.returncode == 0 and "host: rank 0 " in ok.stdout and "host: rank 0's node " in ok.stdout
+    small = run("trainer.host_memory_gib_per_node=64")
+    assert small.returncode == 1 and "trainer.host_memory_gib_per_node=64 GiB" in small.stderr

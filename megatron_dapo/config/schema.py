@@ -583,6 +583,8 @@ class TrainerConfig:
     """Nodes. [recipe: trainer.nnodes]"""
     n_gpus_per_node: int = 1
     """Training processes per node (GPUs, or CPU processes). [recipe: trainer.n_gpus_per_node]"""
+    host_memory_gib_per_node: float = 1536.0
+    """Host RAM of a node, GiB: the planner (`python -m megatron_dapo.plan`, `--check`) refuses a layout whose rank 0's node would hold more (the sync trainer's data path per rank, plan_host.py). 1.5 TiB: a typical 8 x H800 node."""
     seed: int = 42
     """Seed of model init and sampling."""
     balance_batch: bool = True
@@ -605,6 +607,8 @@ class TrainerConfig:
         _check(self.total_epochs >= 1, "trainer.total_epochs", ">= 1", self.total_epochs)
         _check(self.save_freq == -1 or self.save_freq >= 1, "trainer.save_freq", "-1 or >= 1", self.save_freq)
         _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", ">= 1", self.max_ckpt_to_keep)
+        _check(self.host_memory_gib_per_node > 0, "trainer.host_memory_gib_per_node", "> 0",
+               self.host_memory_gib_per_node)
         _check(set(self.exit_signals) <= {"SIGTERM", "SIGUSR1", "SIGINT"}, "trainer.exit_signals",
                "a list of SIGTERM, SIGUSR1, SIGINT", self.exit_signals)
         _check(3 <= self.preemption_exit_code <= 125, "trainer.preemption_exit_code",

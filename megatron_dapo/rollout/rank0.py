@@ -47,7 +47,6 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.ragged import RaggedRows, to_ragged
 
-
 WIRE_TOKEN_DTYPE = torch.int32
 """Token ids between ranks (vocabularies are far below 2**31); int64 again on arrival."""
 

@@ -75,7 +75,7 @@ from megatron_dapo.metrics import (
 )
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.queue import TransferQueue, prompt_uid_of, reissue_inflight_prompts, trajectory_key
-from megatron_dapo.rollout.base import Sample, samples_to_batch
+from megatron_dapo.rollout.base import PromptInput, ragged_batch
 from megatron_dapo.rollout.ragged import to_dense, to_ragged
 from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import faults, stages
@@ -358,7 +358,7 @@ class QueueTrainer(DAPOTrainer):
         pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "data_source",
                                           *(["extra_info"] if self._row_info else [])])
         rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731 - per prompt -> per trajectory
-        texts = [self.p.tokenizer.decode(r.tolist()) for r in t["responses"]]
+        texts = [self.p.tokenizer.decode(r) for r in t["responses"]]
         lengths = torch.tensor([len(r) for r in t["responses"]], dtype=torch.int64)
         out = self.p.reward_manager.score(texts, rep(pf["ground_truth"]), lengths, data_sources=rep(pf["data_source"]),
                                           extra_infos=rep(pf["extra_info"]) if self._row_info else None)
@@ -408,12 +408,12 @@ class QueueTrainer(DAPOTrainer):
         tkeys = self._traj_keys(keys)
         f = self.queue.get(TRAIN, tkeys, [*_TRAJ_FIELDS, *self._reward_keys])
         pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "uid"])
-        samples = [Sample(prompt_id=keys[i // self.n], sample_index=i % self.n,
-                          prompt_token_ids=f["prompts"][i].tolist(), response_token_ids=f["responses"][i].tolist(),
-                          rollout_log_probs=f["rollout_log_probs"][i].tolist(), finish_reason=f["finish_reason"][i],
-                          policy_version=f["max_policy_version"][i], meta=f["meta"][i]) for i in range(len(tkeys))]
-        rollout = samples_to_batch(samples, pad_id=self.p.tokenizer.pad_id,
-                                   max_response_length=self.cfg.data.max_response_length)
+        # Ragged from the stored tensors: real tokens only, no Python lists, nothing padded to max_response_length.
+        prompts = [PromptInput(k, tuple(f["prompts"][g * self.n].tolist())) for g, k in enumerate(keys)]
+        rollout = ragged_batch(prompts, self.n, f["responses"], f["rollout_log_probs"], finish_reason=f["finish_reason"],
+                               policy_version=f["max_policy_version"], meta=f["meta"],
+                               routed_experts=[None] * len(tkeys), pad_id=self.p.tokenizer.pad_id,
+                               max_response_length=self.cfg.data.max_response_length)
         rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731
         extra = {name: f[name] for name in self._reward_keys}
         extra["uid"] = rep(pf["uid"])

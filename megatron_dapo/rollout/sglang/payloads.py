@@ -45,7 +45,6 @@ from megatron_dapo.rollout.sglang.routing import (
 )
 from megatron_dapo.rollout.sglang.versions import ROUTED_EXPERTS_FLAG, SPEC_VERIFY_KEY, ReleaseFeatures
 
-
 MAX_TOKEN_ID = 2**31
 """Token ids travel between ranks as int32 (rollout.rank0): a larger id is refused at the reply."""
 

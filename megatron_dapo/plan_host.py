@@ -1,0 +1,134 @@
+"""Host memory per rank and per node of the sync trainer's data path at a recipe's numbers.
+
+Each term is a tensor or list the code holds, at the size the recipe gives it (worst case: every response
+`response_tokens` long, by default max_response_length; `--mean-response-tokens` plans a typical step).
+Rank 0 drives the SGLang servers (rollout/rank0.py); the other ranks hold their share of the rows.
+
+rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
+- generation batch: R x L x 12 B (int64 ids, float32 log-probs) twice while the rows' tensors are
+  concatenated (`rollout.base.ragged_batch`);
+- replies received and not yet rows: REPLIES_HELD replies of n rows, ~150 B a token (JSON bytes, the
+  parsed lists, the float64 column);
+- texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
+- kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
+  is taken from them (another copy): twice train rows x L x 12 B;
+- r3 routing when actor.router_replay = r3 (plan.py's figure).
+every rank:
+- its rows: R / world x L x 12 B and their texts (rank 0 holds every row already);
+- the kept rows as they arrive (int32 ids + float32 log-probs, then int64 ids);
+- the training batch, dense: B x T x 16 B (int64 ids, float32 log-probs and mask) + B x P x 8 B, then the
+  step's per-token float32 tensors (loss mask, old log-probs and their squared-probability sums, token-level
+  rewards, advantages, returns; reference log-probs with a KL term);
+- with trainer.async_save the checkpoint's staged copy of its shards (params + optimizer state); with
+  actor.offload_optimizer the pinned buffers holding the optimizer state between steps;
+- a process allowance (libraries, CUDA's host state): PROCESS_BYTES, an allowance, not a measurement.
+
+`benchmarks/bench_rank0.py` prints this plan's data-path figures beside its measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 2**30
+PROCESS_BYTES = 4 * GIB
+"""Per training process, beyond its data: Python, torch, Megatron, CUDA's host state (an allowance)."""
+REPLIES_HELD = 8
+"""Replies received and not yet made rows at once on rank 0: bench_rank0.py saw at most 4 with 96 to 192
+requests in flight; the recipe has ~1,000 in flight, so twice that is allowed."""
+REPLY_BYTES_PER_TOKEN = 150
+"""A reply in parse: ~47 B of JSON, the parsed [logprob, id, null] list and its float, the float64 column."""
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    rows: int
+    train_rows: int
+    response_tokens: int
+    world: int
+    ranks_per_node: int
+    node_memory: int
+    rank0: dict[str, int] = field(default_factory=dict)
+    other: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rank0_total(self) -> int:
+        return sum(self.rank0.values())
+
+    @property
+    def other_total(self) -> int:
+        return sum(self.other.values())
+
+    @property
+    def node0_total(self) -> int:
+        """The node holding rank 0: rank 0 and its node's other ranks."""
+        return self.rank0_total + (min(self.ranks_per_node, self.world) - 1) * self.other_total
+
+
+def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_response_length: int,
+              max_prompt_length: int, world: int, text_bytes_per_token: float = 4.0,
+              step_tensors: int = 6) -> tuple[dict[str, int], dict[str, int]]:
+    """(rank 0's terms, another rank's terms) of one step's data path, bytes (module docstring)."""
+    L, T, P = response_tokens, max_response_length, max_prompt_length
+    tokens, kept = rows * L, train_rows * L
+    own = math.ceil(rows / world) * L
+    dense = train_rows * T * 16 + train_rows * P * 8 + step_tensors * train_rows * T * 4
+    rank0 = {"generation batch": tokens * 12 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
+             "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 12 * 2, "training batch": dense}
+    other = {"its rows": own * (12 + int(text_bytes_per_token)), "kept rows": kept * (8 + 12),
+             "training batch": dense}
+    return rank0, other
+
+
+def plan_host(cfg, *, memory_plan=None, response_tokens: int | None = None,
+              text_bytes_per_token: float = 4.0) -> HostPlan:
+    """The host plan of a resolved Config; memory_plan: plan.py's MemoryPlan (staging, offload, r3 figures)."""
+    d, r = cfg.data, cfg.rollout
+    rows = d.effective_gen_batch_size * r.n
+    train_rows = d.train_batch_size * r.n
+    L = response_tokens or d.max_response_length
+    step_tensors = 6 + int(cfg.needs_reference)
+    rank0, other = data_path(rows=rows, n=r.n, train_rows=train_rows, response_tokens=L,
+                             max_response_length=d.max_response_length, max_prompt_length=d.max_prompt_length,
+                             world=cfg.trainer.world_size, text_bytes_per_token=text_bytes_per_token,
+                             step_tensors=step_tensors)
+    every: dict[str, int] = {}
+    if memory_plan is not None:
+        if cfg.trainer.async_save:
+            every["async-save staging"] = memory_plan.actor_params + memory_plan.actor_optimizer
+        if memory_plan.offload_optimizer:
+            every["pinned optimizer"] = memory_plan.actor_optimizer
+        if memory_plan.router_replay_host:
+            every["routing records"] = memory_plan.router_replay_host
+        if memory_plan.router_replay_rank0:
+            rank0["r3 routing"] = memory_plan.router_replay_rank0
+    every["process"] = PROCESS_BYTES
+    return HostPlan(rows=rows, train_rows=train_rows, response_tokens=L, world=cfg.trainer.world_size,
+                    ranks_per_node=cfg.trainer.n_gpus_per_node,
+                    node_memory=int(cfg.trainer.host_memory_gib_per_node * GIB),
+                    rank0={**rank0, **every}, other={**other, **every})
+
+
+def format_host(plan: HostPlan) -> str:
+    """The `host:` lines: rank 0, another rank, rank 0's node, against the node's memory."""
+    def terms(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v / GIB:.1f}" for k, v in d.items() if v)
+
+    return "\n".join([
+        f"host: rank 0 {plan.rank0_total / GIB:.1f} GiB ({terms(plan.rank0)})",
+        f"host: other ranks {plan.other_total / GIB:.1f} GiB each ({terms(plan.other)})",
+        f"host: rank 0's node {plan.node0_total / GIB:.1f} GiB of {plan.node_memory / GIB:.0f} GiB "
+        f"({min(plan.ranks_per_node, plan.world)} ranks; {plan.rows:,} rows of {plan.response_tokens:,} tokens "
+        f"per generation batch, {plan.train_rows:,} trained)"])
+
+
+def check_host(plan: HostPlan) -> str | None:
+    """Why rank 0's node would run out of host memory (trainer.host_memory_gib_per_node), or None."""
+    if plan.node0_total <= plan.node_memory:
+        return None
+    top = sorted(plan.rank0.items(), key=lambda kv: -kv[1])[:3]
+    return (f"host memory of rank 0's node: {plan.node0_total / GIB:.1f} GiB > trainer.host_memory_gib_per_node="
+            f"{plan.node_memory / GIB:g} GiB (rank 0 {plan.rank0_total / GIB:.1f} GiB, largest: "
+            + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in top) + f"; {min(plan.ranks_per_node, plan.world) - 1} "
+            f"other ranks {plan.other_total / GIB:.1f} GiB each)")
