@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,10 +33,10 @@ WORLD, N, VOCAB = 4, 16, 64
 
 
 def _worker(out: str, rows: int, max_len: int) -> None:
-    import psutil
     import torch
     import torch.distributed as dist
 
+    from benchmarks._peak_rss import PeakRSS
     from megatron_dapo.data.dataset import PromptRecord
     from megatron_dapo.rewards.manager import RewardManager
     from megatron_dapo.rollout.base import RolloutEngine, Sample, SamplingParams
@@ -100,32 +99,20 @@ def _worker(out: str, rows: int, max_len: int) -> None:
     sampling = SamplingParams(max_new_tokens=max_len, n=N, temperature=1.0)
     buffer = GroupBuffer(enable=True, metric="acc", max_num_gen_batches=0, on_exhausted="raise",
                          train_batch_size=len(records), n=N, ppo_mini_batch_size=1, pad_id=0)
-    proc = psutil.Process()
     with RewardManager(last_char_reward, max_response_length=max_len, timeout_s=0) as rm:  # in-process
         import gc
 
         gc.collect()
         dist.barrier(group=group)
-        base = proc.memory_info().rss
-        peak = [base]
-        done = threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], proc.memory_info().rss)
-                time.sleep(0.002)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        rss = PeakRSS(0.002).start()
         t0 = time.perf_counter()
         rollout = stages.generate(engine, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len)
         scored = stages.score(rollout, records, n=N, tokenizer=CharTokenizer(), reward_manager=rm, group=group)
         buffer.add(scored)
         seconds = time.perf_counter() - t0
-        done.set()
-        sampler.join()
+        peak = rss.stop()
         real = int(rollout.response_length.sum())
-    result = {"rank": rank, "peak_mib": (peak[0] - base) / 2**20, "seconds": seconds, "real_tokens": real,
+    result = {"rank": rank, "peak_mib": peak / 2**20, "seconds": seconds, "real_tokens": real,
               "kept_prompts": buffer.num_prompts}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

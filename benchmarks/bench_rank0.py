@@ -235,9 +235,9 @@ def _count_wire(counter: dict) -> None:
 
 
 def _worker(out: str, url: str, rows: int, max_len: int) -> None:
-    import psutil
     import torch.distributed as dist
 
+    from benchmarks._peak_rss import PeakRSS
     from megatron_dapo.data.dataset import PromptRecord
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.rewards.manager import RewardManager
@@ -299,7 +299,6 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         ok = solution_str.count("7") % 2 == 0
         return {"score": float(ok), "acc": ok}
 
-    proc = psutil.Process()
     marks: dict[str, float] = {}
     local = [0.0]  # this rank's own scoring work (decode + reward): it divides by the ranks, unlike the rest
 
@@ -318,17 +317,7 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
 
         gc.collect()
         dist.barrier(group=group)
-        base = proc.memory_info().rss
-        peak = [base]
-        done = threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], proc.memory_info().rss)
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        rss = PeakRSS(0.005).start()
         if rank == 0:  # when rank 0's engine has the whole batch, before it goes to the other ranks
             generate_batch = engine.generate_batch
 
@@ -356,9 +345,8 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         if profile is not None:
             profile.disable()
             profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"rank{rank}.prof"))
-        done.set()
-        sampler.join()
-    result = {"rank": rank, "peak_gib": (peak[0] - base) / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
+        peak = rss.stop()
+    result = {"rank": rank, "peak_gib": peak / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
               "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0], "last_reply": max(replies) if replies else None,
               "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -455,6 +443,8 @@ def main() -> None:
     p.add_argument("--window-s-full", type=float, default=1200.0,
                    help="generation seconds of the full 24,576-row batch (scaled by rows)")
     args = p.parse_args()
+    if any(r % N or r < 6 * N for r in args.rows) or args.rows[0] == args.rows[1]:
+        p.error(f"--rows: two different sizes, multiples of {N} and at least {6 * N} (a third of the groups is trained)")
     figures = []
     for rows in args.rows:
         f = _run(rows, args)
