@@ -47,7 +47,7 @@ SPEC_META_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_ct")
 """Per-request speculative-decoding counts an engine may put in `Sample.meta`."""
 
 # Log-probs are <= 0 mathematically; engines compute them in bf16/fp32, so allow round-off above 0.
-_LOGPROB_ROUNDOFF = 1e-3
+LOGPROB_ROUNDOFF = 1e-3
 
 
 class RolloutEngineError(RuntimeError):
@@ -510,9 +510,9 @@ def _logprob_tuple(values: Any, name: str) -> tuple[float, ...]:
     # from overflowing); anything else goes through the loop that names the offending position.
     if set(map(type, values)) <= {float, int}:
         out = tuple(map(float, values))
-        if not out or (math.isfinite(sum(out)) and max(out) <= _LOGPROB_ROUNDOFF):
+        if not out or (math.isfinite(sum(out)) and max(out) <= LOGPROB_ROUNDOFF):
             return out
     for i, lp in enumerate(values):
-        if not _is_real(lp) or not math.isfinite(lp) or lp > _LOGPROB_ROUNDOFF:
+        if not _is_real(lp) or not math.isfinite(lp) or lp > LOGPROB_ROUNDOFF:
             raise ValueError(f"{name}[{i}] must be a finite log-prob <= 0, got {lp!r}")
     return tuple(float(v) for v in values)

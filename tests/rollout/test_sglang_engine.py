@@ -328,6 +328,7 @@ def test_parse_generate_output_checks_each_field():
     ([float("inf"), 4, None], r"output_token_logprobs\[1\] log-prob inf is not finite"),
     (["-0.1", 4, None], r"output_token_logprobs\[1\] log-prob '-0.1' is not finite"),
     ([-0.1], r"output_token_logprobs\[1\] must be \[logprob, token_id, text\], got \[-0.1\]"),
+    ([0.5, 4, None], r"output_token_logprobs\[1\] log-prob 0.5 is above 0 \(more than the round-off 0.001"),
     (None, r"output_token_logprobs\[1\] must be \[logprob, token_id, text\], got None"),
 ])
 def test_a_bad_log_prob_entry_is_named_by_its_position(entry, message):

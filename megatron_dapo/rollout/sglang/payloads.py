@@ -31,6 +31,7 @@ import torch
 
 from megatron_dapo.rollout.base import (
     FINISH_REASONS,
+    LOGPROB_ROUNDOFF,
     PromptInput,
     RolloutEngineError,
     SamplingParams,
@@ -195,7 +196,7 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
 
     A reply carries up to 16 x 20k entries: the columns are pulled out and checked at C speed (type sets,
     min, isfinite), about 0.15 us a token; the loop that names the offending entry runs only when a check
-    fails."""
+    fails. The checks are those a Sample makes (rollout.base), which generate_batch's rows never become."""
     try:
         tokens, logps = [e[1] for e in entries], [e[0] for e in entries]
     except (TypeError, IndexError, KeyError):
@@ -207,7 +208,8 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
         except (ValueError, OverflowError, RuntimeError):  # an int beyond int64: named below
             tok = lp = None
         if tok is not None and (not len(tokens) or (int(tok.min()) >= 0 and int(tok.max()) < MAX_TOKEN_ID
-                                                     and bool(torch.isfinite(lp).all()))):
+                                                     and bool(torch.isfinite(lp).all())
+                                                     and float(lp.max()) <= LOGPROB_ROUNDOFF)):
             return tok, lp
     for i, e in enumerate(entries):
         if not (isinstance(e, (list, tuple)) and len(e) >= 2):
@@ -226,6 +228,9 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
             raise EngineReplyError(
                 f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is not finite"
             )
+        if lp > LOGPROB_ROUNDOFF:
+            raise EngineReplyError(f"{request}: meta_info.output_token_logprobs[{i}] log-prob {lp!r} is above 0 "
+                                   f"(more than the round-off {LOGPROB_ROUNDOFF:g} allowed)")
     raise AssertionError(f"{request}: output_token_logprobs failed a check that no entry fails")
 
 
