@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -606,6 +607,9 @@ def freeze_startup_objects() -> None:
     training ranks."""
     gc.collect()
     gc.freeze()
+    # At exit they go back to the collector: frozen objects are never finalized, so extension modules
+    # (nanobind, in Triton) would report them as leaked on every run's last line.
+    atexit.register(gc.unfreeze)
 
 
 def run(cfg: Config) -> int:

@@ -34,7 +34,7 @@ def test_a_full_disk_mid_save_names_the_directory_removes_it_and_keeps_the_last_
              "print('verify:', verify_checkpoint(sys.argv[1]))", f"{out}/full/ckpt/global_step_2"]
     # A checkpoint of the tiny model takes 7.1 MiB: 18 MiB hold two, and the third save runs out of space.
     script = (f"mount -t tmpfs -o size=18m tmpfs {out} || exit 99; "
-              f"{shlex.join(train)} 2>&1; echo \"rc: $?\"; "
+              f"{shlex.join(train)} 2>&1; rc=$?; echo; echo \"rc: $rc\"; "  # its own line, whatever came last
               f"echo \"dirs: $(ls {out}/full/ckpt | tr '\\n' ' ')\"; echo \"latest: $(cat {out}/full/ckpt/latest_*)\"; "
               f"{shlex.join(check)}")
     r = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
