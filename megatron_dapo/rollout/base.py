@@ -386,10 +386,10 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
         b = int(too_long[0])
         raise ValueError(f"ragged_batch: row {b} (prompt_id={prompts[b // n].prompt_id!r}, sample_index={b % n}) has "
                          f"{int(lengths[b])} response tokens > max_response_length={max_response_length}")
-    present = torch.ones(B, dtype=torch.bool)
+    present, prompt_ids = torch.ones(B, dtype=torch.bool), prompt_rows(prompts, n, pad_id)
     return RolloutBatch(
-        prompt_ids=prompt_rows(prompts, n, pad_id),
-        prompt_length=torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.int64).repeat_interleave(n),
+        prompt_ids=prompt_ids,
+        prompt_length=prompt_ids.lengths.clone(),
         responses=RaggedRows(torch.cat(list(responses)).to(torch.int64), lengths, present, max_response_length, pad_id),
         response_mask=None,
         rollout_log_probs=RaggedRows(torch.cat(list(log_probs)).to(torch.float32), lengths.clone(), present.clone(),
