@@ -87,6 +87,15 @@ def capped_lognormal_mu(mean: float, sigma: float, cap: float) -> float:
     return (lo + hi) / 2
 
 
+def row_lengths(rows: int, mean_len: int, sigma: float, max_len: int) -> list[int]:
+    """Every size draws the same distribution exactly: the row lengths are the capped lognormal's quantiles at
+    (i + 0.5) / rows, shuffled (seeded) over the groups."""
+    dist = statistics.NormalDist(capped_lognormal_mu(mean_len, sigma, max_len), sigma)
+    quantiles = [min(max(int(math.exp(dist.inv_cdf((i + 0.5) / rows))), 1), max_len) for i in range(rows)]
+    random.Random(11).shuffle(quantiles)
+    return quantiles
+
+
 class ReplayServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 2048
@@ -109,13 +118,9 @@ class ReplayServer(http.server.ThreadingHTTPServer):
                       for t in range(3, 18) for _ in range(64)]
         self.t0: float | None = None
         self.lock = threading.Lock()
-        # Every size draws the same distribution exactly: row lengths are its quantiles at (i + 0.5) / rows,
-        # shuffled (seeded) over the groups; a group is found by its prompt (the ranks build the same ones).
-        dist = statistics.NormalDist(self.mu, sigma)
-        quantiles = [min(max(int(math.exp(dist.inv_cdf((i + 0.5) / rows))), 1), max_len) for i in range(rows)]
-        random.Random(11).shuffle(quantiles)
+        # A group is found by its prompt (the ranks build the same ones).
         self.group_of = {tuple(prompt_ids(i)): i for i in range(rows // N)}
-        self.quantiles = quantiles
+        self.quantiles = row_lengths(rows, mean_len, sigma, max_len)
         self.due = self.schedule(rows // N, window_s)
         # Every reply is built before the port opens: while the client parses, this process only writes bytes.
         self.replies = [self.build(g, prompt_ids(g)) for g in range(rows // N)]

@@ -649,10 +649,13 @@ class QueueConfig:
     """Samples older than max_staleness: drop (and regenerate their prompts) or keep them with rollout correction."""
     partial_rollout: bool = False
     """Async mode: generation running at a weight push continues under the new weights instead of finishing first. SGLang: paused in place around the push (servers without radix cache); local engine: aborted and continued from the prefix."""
-    num_producers: int = 1
-    """Rollout producers writing into the queue: threads on rank 0, each keeping one claim in flight at the SGLang servers, or processes with a local engine each."""
+    num_producers: int = 0
+    """Async mode: rollout producers writing into the queue: threads on rank 0, each keeping one claim in flight at the SGLang servers, or processes with a local engine each. 0 = auto: with SGLang, enough threads to keep a generation batch in flight in claims of claim_prompts; with the local engine, one process."""
+    claim_prompts: int = 64
+    """Async mode: prompts a producer claims and generates at a time (at most a generation batch's share per producer). Small claims let finished groups reach the trainer while the longest responses of other claims still generate, so the long tail of a batch is hidden behind training."""
 
     def __post_init__(self):
         _check(self.parameter_sync_step >= 1, "queue.parameter_sync_step", ">= 1", self.parameter_sync_step)
         _check(self.max_staleness >= 0, "queue.max_staleness", ">= 0", self.max_staleness)
-        _check(self.num_producers >= 1, "queue.num_producers", ">= 1", self.num_producers)
+        _check(self.num_producers >= 0, "queue.num_producers", ">= 0 (0 = auto)", self.num_producers)
+        _check(self.claim_prompts >= 1, "queue.claim_prompts", ">= 1", self.claim_prompts)

@@ -6,17 +6,20 @@ Queue layout (one partition, `TRAIN_PARTITION`, for the whole run; see queue_tra
                  (`key_safe_uid`), the trainer step s it was issued at and the generation batch k
                  of that step, so a prompt drawn again in a later epoch is a new key.
                  fields: prompts (token ids), raw_prompt, ground_truth, data_source, uid, seed
-                 (sampling seed of its generation batch), claim (who generates it), fate (why it
-                 was consumed: trained / filtered / surplus)
+                 (sampling seed of its generation batch), claim (who generates it), reward_keys
+                 (the reward's extra keys, written with the group), fate (why it was consumed:
+                 trained / filtered / surplus)
     <key>_<j>    its j-th trajectory, j < rollout.n. Fields: prompts [P] int64, responses [L]
                  int64, rollout_log_probs [L] fp32, finish_reason, min_policy_version,
-                 max_policy_version, meta; the trainer adds rm_scores and the other reward keys,
+                 max_policy_version, meta; with a scorer (claim_reward.py, the trainer's producers)
+                 rm_scores, rewards, response_text and the reward's extra keys; the trainer adds
                  old_log_probs and entropy.
 
 Lifecycle: pending --claim--> running --write--> done --trainer step commit--> consumed.
 A claim sets status running and a claim token in ONE transaction; the write puts all n
-trajectories of every claimed prompt and marks them done in ONE transaction, and only for prompts
-still running under this claim token. So a crash never leaves half a group, and a producer whose
+trajectories of every claimed prompt (scored: reward runs in the producer, beside generation) and
+marks them done in ONE transaction, and only for prompts still running under this claim token. So a
+crash never leaves half a group or a group without its scores, and a producer whose
 claim was reissued (it was presumed dead) cannot write a second group for the prompt.
 
 Partial rollouts (`queue.partial_rollout`, producer processes only): a watcher thread aborts the
@@ -45,6 +48,7 @@ import torch
 from megatron_dapo.queue import TransferQueue, trajectory_key
 from megatron_dapo.rollout.base import PromptInput, Sample, SamplingParams
 from megatron_dapo.trainer import faults
+from megatron_dapo.trainer.claim_reward import ClaimScorer
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,16 @@ class Trajectory:
     min_policy_version: int
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A claim's prompts, their fields read at the claim, and the generated groups."""
+
+    keys: list[str]
+    fields: dict[str, list]
+    groups: dict[str, list[Trajectory]]
+    token: str
+
+
 class Producer:
     """Claims pending prompts of `partition`, generates `sampling.n` trajectories each, writes them.
 
@@ -141,15 +155,18 @@ class Producer:
 
     def __init__(self, queue: TransferQueue, engine, *, sampling: SamplingParams, producer_id: str,
                  partition: str = TRAIN_PARTITION, weights: WeightStore | None = None, partial_rollout: bool = False,
-                 fault_point: str = "generation", poll_s: float = 0.05, stop: threading.Event | None = None):
+                 fault_point: str = "generation", poll_s: float = 0.05, stop: threading.Event | None = None,
+                 scorer: ClaimScorer | None = None):
         """stop: once set, a claim whose generation returns is not written (it stays running: the
-        generation may have been cut by an abort at shutdown; the next start's recovery reissues it)."""
+        generation may have been cut by an abort at shutdown; the next start's recovery reissues it).
+        scorer: the reward stage, run on each claim before its write (claim_reward.py); None writes the
+        trajectories unscored (a producer of a test or of data that is scored elsewhere)."""
         if partial_rollout and weights is None:
             raise ValueError("partial rollouts need a WeightStore: a weight sync is what aborts a generation")
         self.queue, self.engine, self.sampling = queue, engine, sampling
         self.producer_id, self.partition, self.weights = producer_id, partition, weights
         self.partial_rollout, self.fault_point, self.poll_s = partial_rollout, fault_point, poll_s
-        self.stop = stop
+        self.stop, self.scorer = stop, scorer
         self._claims = 0
 
     @property
@@ -158,7 +175,14 @@ class Producer:
 
     # -- one claim ----------------------------------------------------------------------------
     def run_once(self, max_prompts: int) -> int:
-        """Claim up to `max_prompts` pending prompts, generate and write them; returns how many were written."""
+        """Claim up to `max_prompts` pending prompts, generate, score and write them; returns how many were
+        written."""
+        claim = self.generate_claim(max_prompts)
+        return 0 if claim is None else self.write_claim(claim)
+
+    def generate_claim(self, max_prompts: int) -> Claim | None:
+        """Claim up to `max_prompts` pending prompts and generate them; None when nothing was pending or the
+        producer is stopping (a claim made as it stops stays running: reissued at the next start)."""
         self._claims += 1
         token = f"{self.claim_prefix}{self._claims}"
         with self.queue.transaction():
@@ -166,13 +190,25 @@ class Producer:
             if len(meta):
                 self.queue.put_fields(self.partition, meta.keys, {"claim": [token] * len(meta)})
         if not len(meta) or (self.stop is not None and self.stop.is_set()):
-            return 0  # a claim made as the producer stops stays running: reissued at the next start
-        fields = self.queue.get(self.partition, meta.keys, ["prompts", "seed"])
-        groups = self.generate(list(meta.keys), fields["prompts"], fields["seed"])
+            return None
+        keys = list(meta.keys)
+        fields = self.queue.get(self.partition, keys, ["prompts", "seed",
+                                                       *(self.scorer.prompt_fields if self.scorer else ())])
+        groups = self.generate(keys, fields["prompts"], fields["seed"])
         faults.maybe_crash(self.fault_point, max(int(t["global_steps"]) for t in meta.tags))
+        return Claim(keys, fields, groups, token)
+
+    def write_claim(self, claim: Claim) -> int:
+        """Score a generated claim (reward beside generation: the group is written with its scores) and write
+        it; returns how many prompts were written (0 when stopping: the claim stays running)."""
         if self.stop is not None and self.stop.is_set():
             return 0
-        return self._write(list(meta.keys), groups, token)
+        scores = None
+        if self.scorer is not None:
+            scored = self.scorer.score(claim.fields, [[t.sample.response_token_ids for t in claim.groups[k]]
+                                                      for k in claim.keys])
+            scores = dict(zip(claim.keys, scored, strict=True))
+        return self._write(claim.keys, claim.groups, claim.token, scores)
 
     def generate(self, keys: list[str], prompts: Sequence[list[int]], seeds: Sequence[int | None]
                  ) -> dict[str, list[Trajectory]]:
@@ -188,7 +224,8 @@ class Producer:
                 out.setdefault(t.sample.prompt_id, []).append(t)
         return out
 
-    def _write(self, keys: list[str], groups: dict[str, list[Trajectory]], token: str) -> int:
+    def _write(self, keys: list[str], groups: dict[str, list[Trajectory]], token: str,
+               scores: dict[str, dict[str, list]] | None = None) -> int:
         q, part = self.queue, self.partition
         with q.transaction():
             tags = q.get_tags(part, keys)
@@ -207,7 +244,13 @@ class Producer:
                     tkeys.append(trajectory_key(k, j))
                     rows.append(t)
                     ttags.append({"status": "done", "global_steps": steps[k], "policy_version": s.policy_version})
-            q.put(part, tkeys, _trajectory_fields(rows), ttags)
+            fields = _trajectory_fields(rows)
+            if scores is not None:
+                names = [name for name in scores[live[0]] if name != "reward_keys"]
+                fields.update({name: [v for k in live for v in scores[k][name]] for name in names})
+            q.put(part, tkeys, fields, ttags)
+            if scores is not None:
+                q.put_fields(part, live, {"reward_keys": [scores[k]["reward_keys"] for k in live]})
             by_version: dict[int, list[str]] = {}
             for k in live:
                 by_version.setdefault(max(t.sample.policy_version for t in groups[k]), []).append(k)
@@ -322,18 +365,21 @@ def producer_main(cfg, queue: TransferQueue, producer_id: int, weights_dir: str,
     for var in _DIST_ENV:
         os.environ.pop(var, None)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer{producer_id} %(levelname)s %(message)s")
+    from megatron_dapo.trainer.run import build_reward_manager
+
     engine, tokenizer = build_producer_engine(cfg)
     store = WeightStore(weights_dir)
-    producer = Producer(queue, engine, sampling=sampling_params(cfg, eos_id=tokenizer.eos_id),
-                        producer_id=f"p{producer_id}", weights=store, partial_rollout=cfg.queue.partial_rollout,
-                        fault_point="producer_generation")
-    alive = lambda: not stop.is_set() and os.getppid() == parent_pid  # noqa: E731
-    while alive() and store.latest_version() is None:
-        stop.wait(0.05)
-    while alive():
-        producer.refresh_weights()
-        if producer.run_once(claim_size) == 0:
-            stop.wait(producer.poll_s)
+    with build_reward_manager(cfg) as reward_manager:  # the reward stage runs here, beside generation
+        producer = Producer(queue, engine, sampling=sampling_params(cfg, eos_id=tokenizer.eos_id),
+                            producer_id=f"p{producer_id}", weights=store, partial_rollout=cfg.queue.partial_rollout,
+                            fault_point="producer_generation", scorer=ClaimScorer(tokenizer, reward_manager))
+        alive = lambda: not stop.is_set() and os.getppid() == parent_pid  # noqa: E731
+        while alive() and store.latest_version() is None:
+            stop.wait(0.05)
+        while alive():
+            producer.refresh_weights()
+            if producer.run_once(claim_size) == 0:
+                stop.wait(producer.poll_s)
     engine.close()
 
 

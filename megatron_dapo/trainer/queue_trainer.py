@@ -1,13 +1,14 @@
 """The queue trainer: DAPO steps whose stages exchange their data through the TransferQueue.
 
     step():        parameter_sync_step x _step_once, then the weight sync, then a checkpoint when due
-    _step_once():  gen (finished groups from the replay buffer) -> reward -> dynamic sampling
-                   -> balance -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
+    _step_once():  gen (finished, scored groups from the replay buffer) -> dynamic sampling
+                   -> the batch on every rank -> balance -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor
                    -> commit (the consumed prompts and the step, one transaction)
 
-Stage I/O (DAPO reference notes): reward reads `prompts`, `responses` and `raw_prompt` and writes
-`rm_scores`, `rewards`, `response_text` and the reward manager's extra keys (acc, pred, ...);
-old_log_prob writes `old_log_probs` (bypass mode: copied from `rollout_log_probs`; decoupled mode:
+Stage I/O (DAPO reference notes): reward, run by the producer that generated a claim before it writes
+the claim (claim_reward.py: beside generation, never between the last reply and an update), reads
+`responses`, `ground_truth` and `data_source` and writes `rm_scores`, `rewards`, `response_text` and the
+reward manager's extra keys (acc, pred, ...); old_log_prob writes `old_log_probs` (bypass mode: copied from `rollout_log_probs`; decoupled mode:
 recomputed by the actor, with `entropy`), and the later stages read them back from the queue.
 Keys, fields and the prompt lifecycle are described in producer.py. One partition ("train")
 holds the whole run; a prompt drawn again in a later epoch is a new key. A consumed prompt keeps
@@ -27,7 +28,7 @@ Modes.
   (tested). Nothing of the queue outlives a step.
 - async (max_staleness >= 1): rollout producers run while the actor trains. With SGLang
   (rollout.engine=sglang, disaggregated servers) they are `queue.num_producers` threads on rank 0
-  sending claims to the servers (server_producers.py); every weight push reaches every server with
+  sending claims of `queue.claim_prompts` prompts to the servers (server_producers.py); every weight push reaches every server with
   its version, generation paused in place around it (queue.partial_rollout: running samples continue
   under the new weights, each row keeping the versions its tokens came from) or the producers
   drained first (every sample from one version). With the local engine (one process) they are
@@ -41,7 +42,8 @@ Modes.
   restarted and its running claims are reissued.
 
 Processes: the queue and the producers live on global rank 0; it collects each local update's batch
-(gen, reward, dynamic sampling, the staleness check) and sends it to every rank (real tokens only),
+(gen, dynamic sampling, the staleness check) and sends it to every rank (real tokens only, as flat
+tensors: `_share_batch`),
 and every rank runs the actor's passes and the weight push, as in the sync trainer. An error in rank
 0's part reaches every rank (`_rank0`).
 
@@ -76,10 +78,11 @@ from megatron_dapo.metrics import (
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.queue import TransferQueue, prompt_uid_of, reissue_inflight_prompts, trajectory_key
 from megatron_dapo.rollout.base import PromptInput, ragged_batch
-from megatron_dapo.rollout.ragged import to_dense, to_ragged
+from megatron_dapo.rollout.ragged import RAGGED_FIELDS, RaggedRows, share_kept_rows
 from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.batch import ScoredBatch
+from megatron_dapo.trainer.claim_reward import ClaimScorer
 from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
 from megatron_dapo.trainer.fit import DAPOTrainer, TrainerParts
 from megatron_dapo.trainer.producer import (
@@ -129,18 +132,20 @@ class QueueTrainer(DAPOTrainer):
         self._pool: list[tuple[str, int]] = []  # informative scored groups not trained yet: (key, oldest version)
         self._filtered: list[str] = []  # constant groups, consumed at the next commit
         self._seen: set[str] = set()  # done prompts classified by this process
-        self._reward_keys: tuple[str, ...] = ()
         self._last_issue: tuple[int, int] | None = None  # (step, generation batch) of the last issued batch
         self._row_info = getattr(parts.reward_manager.score_fn, "takes_row_info", False)
+        # The reward stage runs in the producers, on each claim before its write (claim_reward.py).
+        self.scorer = ClaimScorer(parts.tokenizer, parts.reward_manager)
         # The engine rank 0 drives itself (SGLang: the client inside RankZeroEngine; None on other ranks).
         self.driven = parts.engine.engine if isinstance(parts.engine, RankZeroEngine) else parts.engine
         self.sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
-        self.producer = Producer(self.queue, self.driven, sampling=self.sampling, producer_id="trainer") \
-            if self.sync_mode and self.is_rank0 else None
+        self.producer = Producer(self.queue, self.driven, sampling=self.sampling, producer_id="trainer",
+                                 scorer=self.scorer) if self.sync_mode and self.is_rank0 else None
         self.weights = None if self.sync_mode or self.on_servers else \
             WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
         self.pool: ProducerPool | None = None  # local engine: producer processes
         self.producers: ServerProducers | None = None  # SGLang: producer threads on rank 0
+        self._held: ScoredBatch | None = None  # rank 0: the batch being shared (_next_batch, _share_batch)
         self._min_versions: torch.Tensor | None = None  # [B] of the last local update's rows (dumps)
         self._stale_dropped = 0  # groups sent back for regeneration as too stale (stale_policy=drop), this process
         if self.inplace:
@@ -234,7 +239,7 @@ class QueueTrainer(DAPOTrainer):
         self._min_versions = min_versions
         if keys:
             # balance: the actor deals the rows over data-parallel ranks by token count (dp_shard_rows)
-            batch = dataclasses.replace(batch, rollout=to_dense(batch.rollout))
+            batch = self._share_batch(batch)
             metrics.update(self._train(batch, keys, min_versions, step, timer))
         faults.maybe_crash("after_update_actor", step)
         self._rank0(lambda: self._commit(step, keys, last=last))
@@ -242,15 +247,23 @@ class QueueTrainer(DAPOTrainer):
         return batch, metrics
 
     def _next_batch(self, step: int, timer, *, first: bool):
-        """Rank 0: gen + reward + dynamic sampling, then the train groups' batch (ragged for the other ranks:
-        real tokens only) and the oldest policy version of each row."""
+        """Rank 0: gen + dynamic sampling, then the train groups' batch and the oldest policy version of each
+        row. Rank 0 keeps the batch (`_held`); what every rank receives as an object is its outline, the
+        token fields without their entries (`_share_batch` sends those as flat tensors)."""
         keys, metrics = self._collect(step, timer, first=first)
         if not keys:
             return keys, None, None, metrics
         batch, min_versions = self._load_batch(keys)
-        if self.world > 1:
-            batch = dataclasses.replace(batch, rollout=to_ragged(batch.rollout, pad_id=self.p.tokenizer.pad_id))
-        return keys, batch, min_versions, metrics
+        self._held = batch
+        return keys, _outline(batch) if self.world > 1 else batch, min_versions, metrics
+
+    def _share_batch(self, outline: ScoredBatch) -> ScoredBatch:
+        """The training batch on every rank, dense: rank 0 broadcasts the token entries (int32 ids, float32
+        log-probs, one flat tensor per field: no pickle of the tokens, no padding on the wire)."""
+        batch = outline
+        if self.is_rank0:
+            batch, self._held = self._held, None
+        return dataclasses.replace(batch, rollout=share_kept_rows(batch.rollout, group=self.p.pgs.ctrl))
 
     # -- gen + reward + dynamic sampling -----------------------------------------------------------
     def _collect(self, step: int, timer, *, first: bool) -> tuple[list[str], dict[str, float]]:
@@ -274,10 +287,7 @@ class QueueTrainer(DAPOTrainer):
                         f"max_num_gen_batches, or set algorithm.filter_groups.on_exhausted=train_on_available")
                 exhausted = True
                 break
-            with timer("gen"):
-                new = self._generate(step)
-            with timer("reward"):
-                self._reward(new)
+            new = self._generate(step, timer)
             self._classify(new)
             examined += len(new)
         take = min(self.tbs, len(self._pool))
@@ -294,13 +304,21 @@ class QueueTrainer(DAPOTrainer):
             metrics["staleness/regenerated_groups"] = float(self._stale_dropped - stale0)
         return keys, metrics
 
-    def _generate(self, step: int) -> list[str]:
-        """gen: prompts whose groups became done. Sync: issue one generation batch and generate it here;
-        async: keep the producers fed and wait for finished groups."""
+    def _generate(self, step: int, timer) -> list[str]:
+        """gen: prompts whose groups became done, scored. Sync: issue one generation batch, generate it here
+        (one engine call, as the sync trainer makes) and score it (timed as reward); async: keep the
+        producers fed (they score each claim beside generation) and wait for finished groups."""
         if self.sync_mode:
-            keys = self._issue(step)
-            self.producer.run_once(len(keys))  # one engine call for the batch, as the sync trainer makes
+            with timer("gen"):
+                keys = self._issue(step)
+                claim = self.producer.generate_claim(len(keys))
+            with timer("reward"):
+                self.producer.write_claim(claim)
             return keys
+        with timer("gen"):
+            return self._wait_for_groups(step)
+
+    def _wait_for_groups(self, step: int) -> list[str]:
         while True:
             self._top_up(step)
             if self.producers is not None:
@@ -348,25 +366,6 @@ class QueueTrainer(DAPOTrainer):
             log.warning("producer %d died (exit code %s); reissued its %d running prompts", i, code, len(keys))
             self.pool.restart(i, code)
 
-    def _reward(self, keys: list[str]) -> None:
-        """reward: reads prompts, responses, raw_prompt; writes rm_scores, rewards, response_text and the
-        reward manager's extra keys to every trajectory."""
-        if not keys:
-            return
-        tkeys = self._traj_keys(keys)
-        t = self.queue.get(TRAIN, tkeys, ["prompts", "responses"])
-        pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "data_source",
-                                          *(["extra_info"] if self._row_info else [])])
-        rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731 - per prompt -> per trajectory
-        texts = [self.p.tokenizer.decode(r) for r in t["responses"]]
-        lengths = torch.tensor([len(r) for r in t["responses"]], dtype=torch.int64)
-        out = self.p.reward_manager.score(texts, rep(pf["ground_truth"]), lengths, data_sources=rep(pf["data_source"]),
-                                          extra_infos=rep(pf["extra_info"]) if self._row_info else None)
-        self._reward_keys = tuple(out.extra)
-        self.queue.put_fields(TRAIN, tkeys, {"rm_scores": out.score.float().tolist(),
-                                             "rewards": out.reward.float().tolist(), "response_text": texts,
-                                             **{name: list(v) for name, v in out.extra.items()}})
-
     def _classify(self, keys: list[str]) -> None:
         """Dynamic sampling per group: informative groups join the pool, constant ones are filtered."""
         if not keys:
@@ -406,8 +405,9 @@ class QueueTrainer(DAPOTrainer):
     def _load_batch(self, keys: list[str]) -> tuple[ScoredBatch, torch.Tensor]:
         """The train groups as a ScoredBatch, and the oldest policy version of each row [B]."""
         tkeys = self._traj_keys(keys)
-        f = self.queue.get(TRAIN, tkeys, [*_TRAJ_FIELDS, *self._reward_keys])
-        pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "uid"])
+        pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "uid", "reward_keys"])
+        reward_keys = pf["reward_keys"][0]  # the same reward manager scored every group
+        f = self.queue.get(TRAIN, tkeys, [*_TRAJ_FIELDS, *reward_keys])
         # Ragged from the stored tensors: real tokens only, no Python lists, nothing padded to max_response_length.
         prompts = [PromptInput(k, tuple(f["prompts"][g * self.n].tolist())) for g, k in enumerate(keys)]
         rollout = ragged_batch(prompts, self.n, f["responses"], f["rollout_log_probs"], finish_reason=f["finish_reason"],
@@ -415,7 +415,7 @@ class QueueTrainer(DAPOTrainer):
                                routed_experts=[None] * len(tkeys), pad_id=self.p.tokenizer.pad_id,
                                max_response_length=self.cfg.data.max_response_length)
         rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731
-        extra = {name: f[name] for name in self._reward_keys}
+        extra = {name: f[name] for name in reward_keys}
         extra["uid"] = rep(pf["uid"])
         batch = ScoredBatch(rollout=rollout, raw_prompt=rep(pf["raw_prompt"]), response_text=f["response_text"],
                             ground_truth=rep(pf["ground_truth"]),
@@ -556,11 +556,10 @@ class QueueTrainer(DAPOTrainer):
             self._load_sampler_record()
         n = self._reissue_inflight_prompts()
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
-        num = self.cfg.queue.num_producers
-        claim_size = max(1, self.gbs // num)  # one batch's prompts shared among the producers
+        num, claim_size = producer_layout(self.cfg.queue, gen_batch=self.gbs, on_servers=self.on_servers)
         if not self.sync_mode and self.on_servers:
             self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling, num=num,
-                                             claim_size=claim_size)
+                                             claim_size=claim_size, scorer=self.scorer)
             self.producers.start()
         elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
@@ -627,9 +626,27 @@ def rollback_after(queue: TransferQueue, c: int, *, n: int) -> tuple[list[str], 
     return late, redo
 
 
+def producer_layout(qc, *, gen_batch: int, on_servers: bool) -> tuple[int, int]:
+    """(producers, prompts per claim) of async mode: claims of at most queue.claim_prompts and at most a
+    generation batch's share per producer; num_producers=0 starts, with SGLang, enough threads to keep a
+    generation batch in flight (so small claims do not starve the servers), with the local engine one."""
+    num = qc.num_producers or (-(-gen_batch // qc.claim_prompts) if on_servers else 1)
+    return num, max(1, min(qc.claim_prompts, -(-gen_batch // num)))
+
+
 def _crossed(first: int, last: int, freq: int) -> bool:
     """True when a multiple of freq lies in [first, last]."""
     return freq > 0 and last // freq > (first - 1) // freq
+
+
+def _outline(batch: ScoredBatch) -> ScoredBatch:
+    """batch without its token entries (no row present) and without its texts (rank 0 alone dumps them): what
+    rank 0 sends the other ranks as an object; every per-row scalar, score and id is kept."""
+    rb = batch.rollout
+    empty = {name: RaggedRows(getattr(rb, name).values[:0], getattr(rb, name).lengths,
+                              torch.zeros(len(rb), dtype=torch.bool), getattr(rb, name).width, getattr(rb, name).fill)
+             for name in RAGGED_FIELDS}
+    return dataclasses.replace(batch, rollout=dataclasses.replace(rb, **empty), response_text=[""] * len(rb))
 
 
 def _rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:

@@ -1,8 +1,8 @@
 """Rollout producers of the queue trainer's async mode on SGLang: threads on global rank 0.
 
 The servers do the generating; a producer only claims pending prompts, sends them to the servers
-through rank 0's engine client (rollout/sglang/engine.py, which balances requests over the servers)
-and writes each claim's groups atomically (producer.Producer). `queue.num_producers` threads keep that
+through rank 0's engine client (rollout/sglang/engine.py, which balances requests over the servers),
+scores the replies (claim_reward.py) and writes each claim's groups atomically (producer.Producer). `queue.num_producers` threads keep that
 many claims in flight, each with its own connection to the queue's SQLite file.
 
 Around a weight push (queue_trainer.QueueTrainer._sync_weights) the trainer either
@@ -24,6 +24,7 @@ import time
 
 from megatron_dapo.queue import TransferQueue
 from megatron_dapo.rollout.base import RolloutEngineError, SamplingParams
+from megatron_dapo.trainer.claim_reward import ClaimScorer
 from megatron_dapo.trainer.producer import Producer
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ class ServerProducers:
     """`num` producer threads over one engine client (`engine`: rank 0's SGLangEngine)."""
 
     def __init__(self, queue_path: str, engine, *, sampling: SamplingParams, num: int, claim_size: int,
-                 poll_s: float = 0.02):
-        self.queue_path, self.engine, self.sampling = queue_path, engine, sampling
+                 scorer: ClaimScorer | None = None, poll_s: float = 0.02):
+        self.queue_path, self.engine, self.sampling, self.scorer = queue_path, engine, sampling, scorer
         self.num, self.claim_size, self.poll_s = num, claim_size, poll_s
         self._cond = threading.Condition()
         self._open = True  # False while drained: no thread starts a claim
@@ -56,7 +57,7 @@ class ServerProducers:
     def _run(self, i: int) -> None:
         queue = TransferQueue(self.queue_path)
         producer = Producer(queue, self.engine, sampling=self.sampling, producer_id=f"t{i}",
-                            fault_point="producer_generation", stop=self._stop)
+                            fault_point="producer_generation", stop=self._stop, scorer=self.scorer)
         try:
             while True:
                 with self._cond:
