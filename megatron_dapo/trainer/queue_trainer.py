@@ -643,7 +643,8 @@ def _outline(batch: ScoredBatch) -> ScoredBatch:
     """batch without its token entries (no row present) and without its texts (rank 0 alone dumps them): what
     rank 0 sends the other ranks as an object; every per-row scalar, score and id is kept."""
     rb = batch.rollout
-    empty = {name: RaggedRows(getattr(rb, name).values[:0], getattr(rb, name).lengths,
+    # New empty tensors, not views: a pickled view carries its whole storage.
+    empty = {name: RaggedRows(torch.empty(0, dtype=getattr(rb, name).values.dtype), getattr(rb, name).lengths.clone(),
                               torch.zeros(len(rb), dtype=torch.bool), getattr(rb, name).width, getattr(rb, name).fill)
              for name in RAGGED_FIELDS}
     return dataclasses.replace(batch, rollout=dataclasses.replace(rb, **empty), response_text=[""] * len(rb))

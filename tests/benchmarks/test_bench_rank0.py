@@ -51,3 +51,29 @@ def test_replay_replies_have_the_recorded_keys_in_order_and_parse_as_the_client_
         assert max(server.due) == 10.0
     finally:
         server.server_close()
+
+
+def test_queue_bench_fills_the_queue_with_scored_groups_of_the_stated_lengths(tmp_path):
+    """bench_queue_rank0.py's untimed set-up: the trainer's Producer writes every group, scored, in claims."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.data.tokenizer import CharTokenizer
+    from megatron_dapo.queue import TransferQueue
+    from megatron_dapo.rewards.manager import RewardManager
+    from megatron_dapo.trainer.queue_trainer import TRAIN
+
+    spec = importlib.util.spec_from_file_location("bench_queue_rank0", ROOT / "benchmarks" / "bench_queue_rank0.py")
+    qbench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qbench)
+    rows, args = 96, SimpleNamespace(mean_len=40, sigma=0.8, max_len=256)
+    with RewardManager(qbench.parity_reward, max_response_length=256, timeout_s=0) as rm:
+        fill = qbench._fill_queue(str(tmp_path / "q.sqlite"), rows, args, CharTokenizer(), rm)
+    assert fill["scored_in_producer"]
+    q = TransferQueue(tmp_path / "q.sqlite")
+    keys = q.list_keys(TRAIN, is_prompt=True)
+    assert len(keys) == rows // bench.N and {t["status"] for t in q.get_tags(TRAIN, keys)} == {"done"}
+    tkeys = [f"q{g}@1.0_{j}" for g in range(rows // bench.N) for j in range(bench.N)]
+    f = q.get(TRAIN, tkeys, ["responses", "rm_scores", "acc"])
+    assert [len(r) for r in f["responses"]] == bench.row_lengths(rows, 40, 0.8, 256)
+    assert f["rm_scores"] == [float(a) for a in f["acc"]] and 0 < sum(f["acc"]) < rows
+    q.close()
