@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import re
 import sys
 import types
@@ -154,8 +155,9 @@ def _set(out: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
-def _parse_dotlist(items: list[str]) -> dict:
-    """`key=value` overrides as a nested dict; verl's keys (config/verl.py) become ours."""
+def _parse_dotlist(items: list[str], ignored: list[tuple[str, str]] | None = None) -> dict:
+    """`key=value` overrides as a nested dict; verl's keys (config/verl.py) become ours (those with no effect
+    go to `ignored`)."""
     out: dict = {}
     pairs = []
     for item in items:
@@ -170,14 +172,16 @@ def _parse_dotlist(items: list[str]) -> dict:
         except yaml.YAMLError as e:
             raise ConfigError(key, f"cannot parse value {text!r}: {e}") from None
         pairs.append((key, value))
-    for key, value in _from_verl(pairs):
+    for key, value in _from_verl(pairs, ignored):
         _set(out, key, value)
     return out
 
 
-def _from_verl(pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] | None = None
+               ) -> list[tuple[str, object]]:
     """Our keys as they are; verl's translated (those with no effect dropped, the `last` ones moved to the
-    end); a key that is neither stays, so that the build names it as unknown."""
+    end); a key that is neither stays, so that the build names it as unknown. ignored: receives (verl key,
+    why it has no effect here) for each one dropped."""
     ours = _leaf_keys()
     kept, last = [], []
     for key, value in pairs:
@@ -192,6 +196,8 @@ def _from_verl(pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
         translated = verl.translate(key, value)
         if translated is not None:
             (last if translated[2] else kept).append(translated[:2])
+        elif ignored is not None:
+            ignored.append((key, verl.no_effect_reason(key)))
     return kept + last
 
 
@@ -263,26 +269,40 @@ def load_yaml(path: str) -> dict:
 
 
 def load_config(config_path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """The resolved config: dataclass defaults, then the recipe, then the dotlist overrides."""
+    """The resolved config: dataclass defaults, then the recipe, then the dotlist overrides. The verl keys
+    that have no effect here are listed, with the reason, in `ignored_keys(cfg)`."""
     raw: dict = {}
+    ignored: list[tuple[str, str]] = []
     if config_path:
         recipe = load_yaml(config_path)
         foreign = _flatten_unknown(recipe)  # verl's nested sections (actor_rollout_ref, reward_model, ...)
         _merge(raw, recipe)
-        for key, value in _from_verl(foreign):
+        for key, value in _from_verl(foreign, ignored):
             _set(raw, key, value)
-    _merge(raw, _parse_dotlist(list(overrides or [])))
-    return _build(Config, raw, "")
+    _merge(raw, _parse_dotlist(list(overrides or []), ignored))
+    cfg = _build(Config, raw, "")
+    object.__setattr__(cfg, "_ignored_keys", tuple(ignored))  # not a config key: never saved or printed as one
+    return cfg
+
+
+def ignored_keys(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """(verl key, why it has no effect here) for each key `load_config` read and dropped."""
+    return getattr(cfg, "_ignored_keys", ())
 
 
 def load_config_cli(config_path: str | None, overrides: list[str] | None) -> Config | None:
     """load_config for a command line: None after printing `config error: <key>: <problem>` to stderr (the
-    caller exits 2, the contract of every CLI here)."""
+    caller exits 2, the contract of every CLI here). Each verl key with no effect here gets one
+    `ignored: <key> (<reason>)` line on stderr (once per job: global rank 0 under torchrun)."""
     try:
-        return load_config(config_path, overrides)
+        cfg = load_config(config_path, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return None
+    if os.environ.get("RANK", "0") == "0":
+        for key, why in ignored_keys(cfg):
+            print(f"ignored: {key} ({why})", file=sys.stderr)
+    return cfg
 
 
 def to_dict(cfg) -> dict:

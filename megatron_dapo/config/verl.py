@@ -147,8 +147,8 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.kl_loss_coef": Alias("actor.kl_loss_coef"),
     "actor_rollout_ref.actor.kl_loss_type": Alias("actor.kl_loss_type"),
     "actor_rollout_ref.actor.use_kl_loss": Alias(
-        "actor.kl_loss_coef", lambda v: None if v else 0.0, "false sets actor.kl_loss_coef=0 (whatever order the "
-        "keys come in); true leaves it: the KL loss is on when actor.kl_loss_coef > 0", last=True),
+        "actor.use_kl_loss", note="the KL loss term (and the reference model it needs) is on exactly when this is "
+        "true, with actor.kl_loss_coef as its weight, as in verl"),
     # parallelism (verl's Megatron backend names; FSDP ones have no effect)
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": Alias("parallel.tensor_model_parallel_size"),
     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": Alias("parallel.pipeline_model_parallel_size"),
@@ -233,6 +233,12 @@ def translate(key: str, value) -> tuple[str, Any, bool] | None:
     if alias.key is None or converted is None:
         return None
     return alias.key, converted, alias.last
+
+
+def no_effect_reason(key: str) -> str:
+    """Why verl key `key` (one `translate` dropped) has no effect here: its documented note."""
+    alias = lookup(key)
+    return alias.note if alias is not None and alias.note else "no counterpart here"
 
 
 def table() -> str:

@@ -83,11 +83,16 @@ def test_the_older_scripts_keys_and_hydras_plus_prefix():
         load_config(None, ["+actor_rollout_ref.model.override_config.attention_dropout=0.1"])
 
 
-def test_use_kl_loss_false_wins_whatever_the_order_and_a_list_of_one_file_is_one_file():
+def test_use_kl_loss_turns_the_kl_loss_and_its_reference_on_and_a_list_of_one_file_is_one_file(tmp_path):
+    on = load_config(None, ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.5"])
+    assert on.actor.use_kl_loss and on.actor.kl_loss_coef == 0.5 and on.needs_reference
     for items in (["actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.kl_loss_coef=0.5"],
                   ["actor_rollout_ref.actor.kl_loss_coef=0.5", "actor_rollout_ref.actor.use_kl_loss=False"]):
-        assert load_config(None, items).actor.kl_loss_coef == 0.0
-    assert load_config(None, ["actor_rollout_ref.actor.use_kl_loss=True", "actor.kl_loss_coef=0.5"]).actor.kl_loss_coef == 0.5
+        off = load_config(None, items)
+        assert not off.actor.use_kl_loss and not off.needs_reference
+    recipe = tmp_path / "verl.yaml"  # verl's nested layout the same
+    recipe.write_text("actor_rollout_ref:\n  actor:\n    use_kl_loss: true\n")
+    assert load_config(str(recipe)).actor.use_kl_loss
     assert load_config(None, ["data.train_files=[a.parquet]"]).data.train_files == "a.parquet"
     with pytest.raises(ConfigError, match=r"data.train_files: .* 2 files: this project reads one training file"):
         load_config(None, ["data.train_files=[a.parquet,b.parquet]"])
@@ -116,3 +121,20 @@ def test_every_alias_names_a_key_here_and_the_docs_table_is_current():
     block = text[text.index(verl.BEGIN) + len(verl.BEGIN):text.index(verl.END)].strip()
     assert block == verl.table(), ("docs/migrating-from-verl.md is stale: run "
                                    "`python -m megatron_dapo.config.docs --write docs/migrating-from-verl.md`")
+
+
+def test_each_verl_key_without_effect_is_named_once_with_its_reason(tmp_path, capsys, monkeypatch):
+    from megatron_dapo.config import ignored_keys, load_config_cli
+
+    recipe = tmp_path / "verl.yaml"
+    recipe.write_text("data:\n  return_raw_chat: true\nactor_rollout_ref:\n  rollout:\n    mode: async\n")
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = load_config_cli(str(recipe), ["trainer.log_val_generations=10", "actor.lr=2e-6"])
+    assert [k for k, _ in ignored_keys(cfg)] == ["data.return_raw_chat", "actor_rollout_ref.rollout.mode",
+                                                 "trainer.log_val_generations"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"ignored: {k} ({why})" for k, why in ignored_keys(cfg)]
+    assert "ignored: data.return_raw_chat (the raw prompt is always kept)" in lines
+    monkeypatch.setenv("RANK", "3")  # under torchrun only global rank 0 prints them
+    load_config_cli(str(recipe), [])
+    assert capsys.readouterr().err == ""
