@@ -6,6 +6,7 @@ allocation, checked on one CPU in seconds, all of it, one line per problem.
     the tokenizer loads          data.tokenizer
     the data files load          data.train_files / data.val_files: every row, with that tokenizer, and
                                  at least one generation batch of usable prompts
+    the epochs hold the steps    trainer.total_epochs over the prompts reaches trainer.total_training_steps
     the model fits the layout    model.hf_path's config.json (or the preset) against TP / PP / EP / VPP,
                                  and the tokenizer's vocabulary
     the reward loads             reward.custom_function
@@ -63,6 +64,14 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
             done.append(f"data ({len(train)} training prompts" + (f", {len(val)} validation" if val else "") + ")")
         except (DatasetError, FileNotFoundError, ValueError) as e:
             problems.append(("data", str(e)))
+        else:
+            from megatron_dapo.trainer.schedule import schedule
+
+            plan = schedule(cfg, prompts=len(train))
+            if plan.problem():
+                problems.append(("trainer.total_epochs", plan.problem()))
+            else:
+                done.append(f"schedule ({plan.steps} steps; the epochs hold {plan.gen_batches:,} generation batches)")
 
     arch = None
     try:

@@ -21,8 +21,30 @@ def test_the_embedded_default_passes_with_what_was_checked(tmp_path):
     r = _cli("--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ("preflight: ok: tokenizer (18 tokens), data (16000 training prompts, 256 validation), "
+                                "schedule (350 steps; the epochs hold 16,667 generation batches), "
                                 "model (4 layers, hidden 128) at the layout, reward, output directories, memory plan "
                                 "(training peak 4.4 GiB of 80)")
+
+
+def test_epochs_that_end_the_run_before_its_steps_are_refused_by_name(tmp_path):
+    """verl's DAPO script: total_epochs=1 sized for the 1.79M-row file; here the prompts hold fewer batches."""
+    r = _cli("--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path}", "trainer.total_epochs=1",
+             "trainer.total_training_steps=200")
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "preflight: trainer.total_epochs: trainer.total_epochs=1 over 16,000 training prompts is 167 generation "
+        "batches of 96, so the run would end by step 167 (earlier when dynamic sampling draws several batches a "
+        "step), before trainer.total_training_steps=200: set trainer.total_epochs=2 or more (more with dynamic "
+        "sampling), or lower trainer.total_training_steps"]
+
+
+def test_schedule_closed_forms():
+    from megatron_dapo.trainer.schedule import Schedule
+
+    recipe = Schedule(prompts=17_398, gen_batch=1536, epochs=1, steps=500)  # verl's keys over `make data`'s file
+    assert recipe.gen_batches == 12 and recipe.epochs_end_first and "set trainer.total_epochs=45 " in recipe.problem()
+    fits = Schedule(prompts=17_398, gen_batch=1536, epochs=45, steps=500)
+    assert fits.gen_batches == 510 and fits.problem() is None and fits.describe().endswith("it ends at step 500")
 
 
 def test_the_32b_recipe_without_its_model_and_data_names_each_missing_part(tmp_path):

@@ -12,6 +12,7 @@ import time
 import torch
 
 from megatron_dapo.config import Config, ConfigError, to_dict, to_yaml
+from megatron_dapo.trainer.schedule import schedule
 
 log = logging.getLogger("megatron_dapo")
 
@@ -494,6 +495,11 @@ def build_parts(cfg: Config):
         log.info("memory plan:\n%s", format_plan(plan))
         check_fits(plan)
     train, val = _datasets(cfg, tokenizer)
+    length = schedule(cfg, prompts=len(train))
+    if pgs.rank == 0:
+        log.info("schedule: %s", length.describe())
+        if length.problem():
+            log.warning("%s", length.problem())
     rm = build_reward_manager(cfg)
     actor = build_actor(cfg, pgs, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id)
     sampler = ResumableSampler(len(train), cfg.data.effective_gen_batch_size, seed=cfg.data.seed,
