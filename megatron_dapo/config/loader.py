@@ -145,6 +145,15 @@ def _merge(dst: dict, src: dict) -> dict:
     return dst
 
 
+def _has(tree: dict, key: str) -> bool:
+    node = tree
+    for p in key.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
 def _set(out: dict, key: str, value) -> None:
     node = out
     parts = key.split(".")
@@ -155,9 +164,10 @@ def _set(out: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
-def _parse_dotlist(items: list[str], ignored: list[tuple[str, str]] | None = None) -> dict:
+def _parse_dotlist(items: list[str], ignored: list[tuple[str, str]] | None = None,
+                   implies: list[tuple[str, object]] | None = None) -> dict:
     """`key=value` overrides as a nested dict; verl's keys (config/verl.py) become ours (those with no effect
-    go to `ignored`)."""
+    go to `ignored`, what they imply to `implies`)."""
     out: dict = {}
     pairs = []
     for item in items:
@@ -172,16 +182,17 @@ def _parse_dotlist(items: list[str], ignored: list[tuple[str, str]] | None = Non
         except yaml.YAMLError as e:
             raise ConfigError(key, f"cannot parse value {text!r}: {e}") from None
         pairs.append((key, value))
-    for key, value in _from_verl(pairs, ignored):
+    for key, value in _from_verl(pairs, ignored, implies):
         _set(out, key, value)
     return out
 
 
-def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] | None = None
-               ) -> list[tuple[str, object]]:
+def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] | None = None,
+               implies: list[tuple[str, object]] | None = None) -> list[tuple[str, object]]:
     """Our keys as they are; verl's translated (those with no effect dropped, the `last` ones moved to the
     end); a key that is neither stays, so that the build names it as unknown. ignored: receives (verl key,
-    why it has no effect here) for each one dropped."""
+    why it has no effect here) for each one dropped; implies: the (key, value) pairs verl's keys imply
+    (config/verl.py Alias.implies), set later where the configuration does not give the key."""
     ours = _leaf_keys()
     kept, last = [], []
     for key, value in pairs:
@@ -194,6 +205,8 @@ def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] |
             kept.append((key, value))
             continue
         translated = verl.translate(key, value)
+        if implies is not None:
+            implies += verl.implied(key, value)
         if translated is not None:
             (last if translated[2] else kept).append(translated[:2])
         elif ignored is not None:
@@ -210,7 +223,8 @@ def _flatten_unknown(raw: dict, cls=Config, prefix: str = "") -> list[tuple[str,
         tp = hints.get(name)
         if tp is not None and dataclasses.is_dataclass(tp) and isinstance(value, dict):
             out += _flatten_unknown(value, tp, key + ".")
-        elif tp is None:
+        elif tp is None or (verl.lookup(key) is not None and not isinstance(value, dict)):
+            # not ours, or ours under a verl alias that converts verl's value (data.train_files: a list of one)
             del raw[name]
             out += _leaves(value, key) if isinstance(value, dict) else [(key, value)]
     return out
@@ -273,13 +287,17 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
     that have no effect here are listed, with the reason, in `ignored_keys(cfg)`."""
     raw: dict = {}
     ignored: list[tuple[str, str]] = []
+    implies: list[tuple[str, object]] = []
     if config_path:
         recipe = load_yaml(config_path)
         foreign = _flatten_unknown(recipe)  # verl's nested sections (actor_rollout_ref, reward_model, ...)
         _merge(raw, recipe)
-        for key, value in _from_verl(foreign, ignored):
+        for key, value in _from_verl(foreign, ignored, implies):
             _set(raw, key, value)
-    _merge(raw, _parse_dotlist(list(overrides or []), ignored))
+    _merge(raw, _parse_dotlist(list(overrides or []), ignored, implies))
+    for key, value in implies:  # what verl derives from a key, where the configuration does not say itself
+        if not _has(raw, key):
+            _set(raw, key, value)
     cfg = _build(Config, raw, "")
     object.__setattr__(cfg, "_ignored_keys", tuple(ignored))  # not a config key: never saved or printed as one
     return cfg

@@ -24,12 +24,15 @@ SECTIONS = ("actor_rollout_ref", "reward_model", "custom_reward_function", "crit
 class Alias:
     """What one verl key becomes. key: ours (None: no effect here). convert: verl's value -> ours; it raises
     ValueError (the reason) for a value this project cannot honour. note: the documented difference.
-    last: applied after every other override (a switch in verl that disables another key's effect)."""
+    last: applied after every other override (a switch in verl that disables another key's effect).
+    implies: (our key, value or a function of verl's value) set as well, unless the configuration gives that key
+    itself (in the recipe or an override, in any order): what verl derives from the key."""
 
     key: str | None
     convert: Callable[[Any], Any] | None = None
     note: str = ""
     last: bool = False
+    implies: tuple[tuple[str, Any], ...] = ()
 
 
 def _one_file(value):
@@ -106,7 +109,10 @@ ALIASES: dict[str, Alias] = {
                                           "true -> filter, false -> error"),
     "data.return_raw_chat": Alias(None, note="the raw prompt is always kept"),
     # model
-    "actor_rollout_ref.model.path": Alias("model.hf_path"),
+    "actor_rollout_ref.model.path": Alias(
+        "model.hf_path", note="also model.arch=hf (the shape from its config.json), data.tokenizer=the same path and "
+        "model.params_dtype=bf16 (verl's Megatron dtype), each unless given",
+        implies=(("model.arch", "hf"), ("data.tokenizer", lambda v: v), ("model.params_dtype", "bf16"))),
     "actor_rollout_ref.model.enable_gradient_checkpointing": Alias(
         "model.recompute", lambda v: "full" if v else "none", "true -> full, false -> none"),
     "actor_rollout_ref.model.use_remove_padding": Alias(None, _true(_PACKED), _PACKED),
@@ -233,6 +239,14 @@ def translate(key: str, value) -> tuple[str, Any, bool] | None:
     if alias.key is None or converted is None:
         return None
     return alias.key, converted, alias.last
+
+
+def implied(key: str, value) -> list[tuple[str, Any]]:
+    """(our key, value) pairs verl key `key` given `value` implies (Alias.implies)."""
+    alias = lookup(key)
+    if alias is None:
+        return []
+    return [(k, v(value) if callable(v) else v) for k, v in alias.implies]
 
 
 def no_effect_reason(key: str) -> str:

@@ -138,3 +138,26 @@ def test_each_verl_key_without_effect_is_named_once_with_its_reason(tmp_path, ca
     monkeypatch.setenv("RANK", "3")  # under torchrun only global rank 0 prints them
     load_config_cli(str(recipe), [])
     assert capsys.readouterr().err == ""
+
+
+def test_a_verl_model_path_implies_hf_arch_its_tokenizer_and_bf16_unless_given(tmp_path):
+    recipe = tmp_path / "verl.yaml"
+    recipe.write_text("actor_rollout_ref:\n  model:\n    path: /models/Qwen2.5-32B\n"
+                      "data:\n  train_files: [/data/dapo.parquet]\n")
+    cfg = load_config(str(recipe))
+    assert (cfg.model.hf_path, cfg.model.arch, cfg.data.tokenizer, cfg.model.params_dtype) == \
+        ("/models/Qwen2.5-32B", "hf", "/models/Qwen2.5-32B", "bf16")
+    assert cfg.data.train_files == "/data/dapo.parquet"  # a list of one in YAML too, as on the command line
+    cli = load_config(None, ["actor_rollout_ref.model.path=/m", "data.train_files=[/d.parquet]"])
+    assert (cli.model.arch, cli.data.tokenizer, cli.model.params_dtype, cli.data.train_files) == \
+        ("hf", "/m", "bf16", "/d.parquet")
+    # what the configuration gives itself wins, whatever the order and wherever it is given
+    given = load_config(None, ["model.arch=qwen2.5-32b", "actor_rollout_ref.model.path=/m", "model.params_dtype=fp32",
+                               "data.tokenizer=/tok"])
+    assert (given.model.arch, given.data.tokenizer, given.model.params_dtype) == ("qwen2.5-32b", "/tok", "fp32")
+    recipe.write_text("model:\n  arch: qwen2.5-32b\nactor_rollout_ref:\n  model:\n    path: /m\n")
+    mixed = load_config(str(recipe), ["data.tokenizer=/tok"])
+    assert (mixed.model.arch, mixed.data.tokenizer, mixed.model.params_dtype) == ("qwen2.5-32b", "/tok", "bf16")
+    with pytest.raises(ConfigError, match=r"data.train_files: .* 2 files"):
+        recipe.write_text("data:\n  train_files: [a.parquet, b.parquet]\n")
+        load_config(str(recipe))
