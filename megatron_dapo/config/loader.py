@@ -199,9 +199,8 @@ def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] |
         key = key.lstrip("+")  # Hydra's "add" / "force add" prefixes, as verl's scripts write some keys
         if verl.lookup(key) is None:  # (an alias may name one of ours: data.train_files takes verl's list of one)
             if key not in ours and key.split(".")[0] in verl.SECTIONS:
-                close = difflib.get_close_matches(key, list(verl.ALIASES), n=1, cutoff=0.6)
-                hint = f"; verl's {close[0]!r} is" if close else ""
-                raise ConfigError(key, f"not a verl key this project maps{hint} (docs/migrating-from-verl.md)")
+                raise ConfigError(key, f"not a verl key this project maps{_verl_hint(key, ours)} "
+                                       "(docs/migrating-from-verl.md)")
             kept.append((key, value))
             continue
         translated = verl.translate(key, value)
@@ -212,6 +211,24 @@ def _from_verl(pairs: list[tuple[str, object]], ignored: list[tuple[str, str]] |
         elif ignored is not None:
             ignored.append((key, verl.no_effect_reason(key)))
     return kept + last
+
+
+def _verl_hint(key: str, ours) -> str:
+    """A mapped verl key or a key of ours with the same meaning: the same leaf name, the closest section
+    first (never a key that merely looks alike)."""
+    leaf, parts = key.rsplit(".", 1)[-1], key.split(".")
+    same = [k for k in verl.ALIASES if k.rsplit(".", 1)[-1] == leaf]
+    if same:
+        shared = lambda k: sum(1 for a, b in zip(k.split("."), parts, strict=False) if a == b)  # noqa: E731
+        best = max(same, key=shared)
+        return f"; verl's {best!r} is (here {verl.ALIASES[best].key or 'no effect'})"
+    here = sorted(k for k in ours if k.rsplit(".", 1)[-1] == leaf)
+    if here:
+        return f"; this project's {here[0]!r} is the same setting by name"
+    section = key.rsplit(".", 1)[0] + "."  # a typo of a leaf in the same section
+    leaves = {k[len(section):]: k for k in verl.ALIASES if k.startswith(section) and "." not in k[len(section):]}
+    typo = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
+    return f"; verl's {leaves[typo[0]]!r} is" if typo else ""
 
 
 def _flatten_unknown(raw: dict, cls=Config, prefix: str = "") -> list[tuple[str, object]]:

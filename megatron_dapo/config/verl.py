@@ -94,7 +94,29 @@ def _do_sample(value):
     return value
 
 
+def _none(why: str):
+    def check(value):
+        if value is not None:
+            raise ValueError(why)
+        return value
+    return check
+
+
+def _false(why: str):
+    def check(value):
+        if value is not False:
+            raise ValueError(why)
+        return value
+    return check
+
+
+def _resume_path(value):
+    return value if value else None  # null: no effect (verl's default)
+
+
 _NO_FSDP = "an FSDP setting: this trainer shards with Megatron (parallel.*), sized by `python -m megatron_dapo.plan`"
+_TOKEN_MICRO = ("micro-batches are formed by token count here: actor.max_tokens_per_microbatch (verl's "
+                "ppo_max_token_len_per_gpu) for every pass")
 _PACKED = "always on: sequences are packed (THD) and micro-batches are formed by token count"
 
 ALIASES: dict[str, Alias] = {
@@ -136,6 +158,29 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": Alias(None, note=_TOKEN_MICRO),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": Alias(None, note=_TOKEN_MICRO),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Alias(None, note=_TOKEN_MICRO),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": Alias(None, note=_TOKEN_MICRO),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": Alias(
+        None, _zero("the warm-up is counted in steps here: set actor.lr_warmup_steps (the ratio x "
+                    "trainer.total_training_steps)"), "0 only: set actor.lr_warmup_steps"),
+    "actor_rollout_ref.actor.megatron.optimizer_offload": Alias("actor.offload_optimizer"),
+    "actor_rollout_ref.actor.megatron.param_offload": Alias(
+        None, note="the actor's weights stay in GPU memory; colocated servers release theirs while the actor trains "
+        "(actor.offload_optimizer moves the optimizer state)"),
+    "actor_rollout_ref.actor.megatron.grad_offload": Alias(
+        None, note="gradients live only inside a step here; nothing to offload between steps"),
+    "actor_rollout_ref.ref.megatron.param_offload": Alias(
+        None, note="the reference's weights stay in GPU memory (its passes run at the actor's layout)"),
+    "actor_rollout_ref.actor.checkpoint.save_contents": Alias(
+        None, note="a checkpoint always holds the model, the optimizer, the RNG and the data position"),
+    "actor_rollout_ref.actor.checkpoint.load_contents": Alias(
+        None, note="a checkpoint always holds the model, the optimizer, the RNG and the data position"),
+    "actor_rollout_ref.hybrid_engine": Alias(
+        None, _true("the actor and the rollout always share one set of weights: rollout.mode=colocate shares the "
+                    "GPUs too, disaggregate runs the servers on GPUs of their own"),
+        "true only: rollout.mode picks colocated or disaggregated servers"),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Alias(
         None, note="the reference and old-log-prob passes use actor.max_tokens_per_microbatch"),
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": Alias(
@@ -186,6 +231,10 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.rollout.max_num_batched_tokens": Alias(
         None, note="vLLM's; SGLang sizes its batches itself (rollout.server_extra_args for its flags)"),
     "actor_rollout_ref.rollout.mode": Alias(None, note="the SGLang servers are always driven asynchronously"),
+    "actor_rollout_ref.rollout.free_cache_engine": Alias(
+        None, note="colocated servers always release their KV cache and weights while the actor trains"),
+    "actor_rollout_ref.rollout.calculate_log_probs": Alias(
+        None, note="the servers always return each token's log-prob (rollout correction, bypass mode)"),
     "actor_rollout_ref.rollout.val_kwargs.n": Alias("rollout.val_kwargs.n", note="the same mean@n / pass@n"),
     "actor_rollout_ref.rollout.val_kwargs.temperature": Alias("rollout.val_kwargs.temperature"),
     "actor_rollout_ref.rollout.val_kwargs.top_p": Alias("rollout.val_kwargs.top_p"),
@@ -209,6 +258,15 @@ ALIASES: dict[str, Alias] = {
     "algorithm.rollout_correction": Alias("algorithm.rollout_correction.preset"),
     # trainer: verl's own names are ours (trainer.nnodes, trainer.save_freq, trainer.logger, ...)
     "trainer.log_val_generations": Alias(None, note="validation responses go to trainer.rollout_data_dir"),
+    "trainer.max_actor_ckpt_to_keep": Alias("trainer.max_ckpt_to_keep"),
+    "trainer.max_critic_ckpt_to_keep": Alias(None, note="the critic's state is in the same checkpoint"),
+    "trainer.default_hdfs_dir": Alias(None, _none("no HDFS copy here: checkpoints stay in trainer.default_local_dir"),
+                                      "null only: checkpoints stay in trainer.default_local_dir"),
+    "trainer.val_only": Alias(None, _false("validation alone is `python -m megatron_dapo.eval` (make eval) on a "
+                                           "checkpoint"), "false only: make eval validates a checkpoint"),
+    "trainer.resume_from_path": Alias("trainer.resume_mode", _resume_path,
+                                      "a checkpoint path is trainer.resume_mode=<path>; null has no effect",
+                                      last=True),
 }
 
 # verl keys under these prefixes have no effect here (FSDP's sharding, offload and wrapping).

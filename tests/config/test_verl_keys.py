@@ -161,3 +161,40 @@ def test_a_verl_model_path_implies_hf_arch_its_tokenizer_and_bf16_unless_given(t
     with pytest.raises(ConfigError, match=r"data.train_files: .* 2 files"):
         recipe.write_text("data:\n  train_files: [a.parquet, b.parquet]\n")
         load_config(str(recipe))
+
+
+def test_common_verl_keys_map_or_name_why_they_have_no_effect(tmp_path):
+    from megatron_dapo.config import ignored_keys
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.megatron.optimizer_offload=True",
+                             "trainer.max_actor_ckpt_to_keep=5", f"trainer.resume_from_path={tmp_path}/ckpt",
+                             "trainer.resume_mode=resume_path", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+                             "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0", "trainer.default_hdfs_dir=null",
+                             "trainer.val_only=False", "actor_rollout_ref.actor.megatron.param_offload=True",
+                             "actor_rollout_ref.hybrid_engine=True", "actor_rollout_ref.rollout.free_cache_engine=True",
+                             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+                             "actor_rollout_ref.rollout.calculate_log_probs=True"])
+    assert cfg.actor.offload_optimizer and cfg.trainer.max_ckpt_to_keep == 5
+    assert cfg.trainer.resume_mode == f"{tmp_path}/ckpt"  # verl's resume_path mode with its path, in either order
+    why = dict(ignored_keys(cfg))
+    assert "token count" in why["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]
+    assert "offload_optimizer" in why["actor_rollout_ref.actor.megatron.param_offload"]
+    assert len(why) == 10
+    for item, reason in (("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "set actor.lr_warmup_steps"),
+                         ("trainer.default_hdfs_dir=hdfs://x", "no HDFS copy here"),
+                         ("trainer.val_only=True", "python -m megatron_dapo.eval"),
+                         ("actor_rollout_ref.hybrid_engine=False", "rollout.mode=colocate")):
+        with pytest.raises(ConfigError, match=reason):
+            load_config(None, [item])
+
+
+def test_hints_for_an_unmapped_verl_key_follow_its_meaning_not_its_spelling():
+    for item, hint in (("actor_rollout_ref.rollout.optim.weight_decay=0.1",
+                        "verl's 'actor_rollout_ref.actor.optim.weight_decay' is \\(here actor.weight_decay\\)"),
+                       ("critic.optim.lr=1e-5", "verl's 'actor_rollout_ref.actor.optim.lr' is \\(here actor.lr\\)")):
+        with pytest.raises(ConfigError, match=hint):
+            load_config(None, [item])
+    with pytest.raises(ConfigError) as e:  # nothing of that meaning: no hint (it suggested entropy_coeff once)
+        load_config(None, ["actor_rollout_ref.actor.megatron.tensor_offload=True"])
+    assert str(e.value).endswith("not a verl key this project maps (docs/migrating-from-verl.md)")
