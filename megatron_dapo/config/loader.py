@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megatron_dapo.config import verl
-from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.errors import ConfigError, ConfigErrors, collecting
 from megatron_dapo.config.root import Config
 
 _FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
@@ -113,27 +113,54 @@ def _type_name(tp) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
-def _build(cls, raw: dict, prefix: str):
-    """Instantiate dataclass `cls` from a nested dict of overrides (missing keys keep defaults)."""
+def _build(cls, raw: dict, prefix: str, errors: list[ConfigError] | None = None):
+    """Instantiate dataclass `cls` from a nested dict of overrides (missing keys keep defaults). Every bad key
+    is found in one pass: an unknown key or a bad value is recorded and its default kept, so the section's own
+    checks still run on the rest (recorded too); a section holding an error makes its parent unbuildable, so
+    the cross-section checks wait for the next run. Raises the one error, or ConfigErrors with each."""
+    top = errors is None
+    errors = [] if errors is None else errors
+    built = _build_section(cls, raw, prefix, errors)
+    if top and errors:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+    return built
+
+
+def _build_section(cls, raw: dict, prefix: str, errors: list[ConfigError]):
+    """cls(...) from `raw`, or None when an error makes it unbuildable; errors go to `errors`."""
     if not isinstance(raw, dict):
-        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {raw!r}")
+        errors.append(ConfigError(prefix.rstrip(".") or "<root>", f"expected a mapping, got {raw!r}"))
+        return None
     hints = _field_types(cls)
-    kwargs = {}
+    kwargs, broken = {}, False
     for name, value in raw.items():
         key = prefix + str(name)
         if name not in hints:
-            raise _unknown_key(cls, key)
+            errors.append(_unknown_key(cls, key))
+            continue
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value if value is not None else {}, key + ".")
-        else:
+            had = len(errors)
+            section = _build_section(tp, value if value is not None else {}, key + ".", errors)
+            broken |= section is None or len(errors) > had  # its values are not checked: no cross-checks on them
+            kwargs[name] = section
+            continue
+        try:
             kwargs[name] = _coerce(tp, value, key)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(prefix.rstrip(".") or "<root>", str(e)) from None
+        except ConfigError as e:
+            errors.append(e)
+    if broken:
+        return None
+    before = len(errors)
+    with collecting(errors):
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            errors.append(e)
+        except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+            if len(errors) == before:  # otherwise a consequence of an error already recorded in this section
+                errors.append(ConfigError(prefix.rstrip(".") or "<root>", str(e)))
+    return None
 
 
 def _merge(dst: dict, src: dict) -> dict:
@@ -332,7 +359,8 @@ def load_config_cli(config_path: str | None, overrides: list[str] | None) -> Con
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        for error in getattr(e, "errors", [e]):
+            print(f"config error: {error}", file=sys.stderr)
         return None
     if os.environ.get("RANK", "0") == "0":
         for key, why in ignored_keys(cfg):

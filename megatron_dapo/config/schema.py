@@ -16,12 +16,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.errors import ConfigError, report
 
 
 def _check(cond: bool, key: str, expected: str, value) -> None:
     if not cond:
-        raise ConfigError(key, f"expected {expected}, got {value!r}")
+        report(ConfigError(key, f"expected {expected}, got {value!r}"))
 
 
 @dataclass

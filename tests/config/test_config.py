@@ -210,3 +210,23 @@ def test_a_key_repeated_in_different_mappings_is_not_a_duplicate(tmp_path):
     path.write_text("data:\n  seed: 3\ntrainer:\n  seed: 4\n")
     raw = load_yaml(str(path))
     assert raw == {"data": {"seed": 3}, "trainer": {"seed": 4}}
+
+
+def test_every_bad_key_is_reported_in_one_run_one_line_each(tmp_path, capsys):
+    from megatron_dapo.config import ConfigError, load_config_cli
+    from megatron_dapo.config.errors import ConfigErrors
+
+    overrides = ["actor.lrr=1e-6", "rollout.n=two", "actor.clip_ratio_low=-1", "trainer.total_epochs=0",
+                 "data.arithmetic.num_train=0", "actor.lr=1e-6"]
+    with pytest.raises(ConfigErrors) as e:
+        load_config(None, overrides)
+    assert [err.key for err in e.value.errors] == ["actor.lrr", "actor.clip_ratio_low", "rollout.n",
+                                                  "trainer.total_epochs", "data.arithmetic.num_train"]
+    assert isinstance(e.value, ConfigError) and e.value.key == "actor.lrr"
+    assert load_config_cli(None, overrides) is None
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 5 and all(line.startswith("config error: ") for line in lines)
+    assert "config error: rollout.n: expected an integer, got 'two'" in lines
+    with pytest.raises(ConfigError) as one:  # a single bad key stays a plain ConfigError
+        load_config(None, ["rollout.n=two"])
+    assert type(one.value) is ConfigError
