@@ -115,6 +115,10 @@ def _resume_path(value):
 
 
 _NO_FSDP = "an FSDP setting: this trainer shards with Megatron (parallel.*), sized by `python -m megatron_dapo.plan`"
+_ULYSSES = ("Ulysses sequence parallelism is FSDP's and not needed here: a 20k-token response trains under "
+            "tensor parallelism with parallel.sequence_parallel and model.recompute=full, in micro-batches of "
+            "actor.max_tokens_per_microbatch tokens (the 32B recipe at TP 8: 1.6 GiB of activations per GPU); "
+            "`python -m megatron_dapo.plan` gives the figure for your layout")
 _TOKEN_MICRO = ("micro-batches are formed by token count here: actor.max_tokens_per_microbatch (verl's "
                 "ppo_max_token_len_per_gpu) for every pass")
 _PACKED = "always on: sequences are packed (THD) and micro-batches are formed by token count"
@@ -210,10 +214,7 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.megatron.context_parallel_size": Alias("parallel.context_parallel_size"),
     "actor_rollout_ref.actor.megatron.sequence_parallel": Alias("parallel.sequence_parallel"),
     "actor_rollout_ref.actor.megatron.use_distributed_optimizer": Alias("actor.use_distributed_optimizer"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Alias(
-        None, _equal(1, "Ulysses sequence parallelism is FSDP's: here the sequence is split by "
-                        "parallel.context_parallel_size (and parallel.sequence_parallel under tensor parallelism)"),
-        "1 only: set parallel.context_parallel_size"),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Alias(None, _equal(1, _ULYSSES), "1 only: " + _ULYSSES),
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Alias(
         None, _equal(1, "Ulysses sequence parallelism is FSDP's: the reference runs at the actor's layout "
                         "(parallel.*)"), "1 only: the reference runs at the actor's layout"),

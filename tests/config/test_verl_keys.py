@@ -41,7 +41,9 @@ def test_every_key_of_verls_dapo_32b_script_maps_has_no_effect_or_is_refused_wit
     assert set(refused) == {"actor_rollout_ref.rollout.name", "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
                             "actor_rollout_ref.ref.ulysses_sequence_parallel_size"}
     assert "rollout.engine=sglang" in refused["actor_rollout_ref.rollout.name"]
-    assert "parallel.context_parallel_size" in refused["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
+    ulysses = refused["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
+    assert "parallel.sequence_parallel" in ulysses and "megatron_dapo.plan" in ulysses
+    assert "context_parallel_size" not in ulysses  # itself refused: never the way out
     assert fates["actor_rollout_ref.actor.optim.lr"] == "-> actor.lr"
     assert fates["actor_rollout_ref.model.use_remove_padding"] == "no effect"
     assert fates["custom_reward_function.overlong_buffer.len"] == "-> reward.overlong_buffer.len"
