@@ -294,7 +294,9 @@ def load_prompt_dataset(
         if uid in row_of_uid:
             raise DatasetError(
                 f"{path}: rows {row_of_uid[uid]} and {row} (0-based) have the same uid {uid!r}; "
-                "uids must be unique (pass uid_prefix to number rows instead of using extra_info.index)"
+                "uids must be unique: a file that repeats its problems (the published DAPO-Math-17k parquet "
+                "holds each one many times) goes through `make data DAPO_MATH=<file>` first, which keeps one row "
+                "per problem; any other file needs a distinct extra_info.index per row"
             )
         row_of_uid[uid] = row
         records.append(

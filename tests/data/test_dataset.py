@@ -77,7 +77,8 @@ def test_uid_falls_back_to_row_number_and_prefix_numbers_rows(tmp_path):
 
 def test_duplicate_uid_names_both_rows(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [make_row(index=7), make_row(), make_row(index=7)])
-    with pytest.raises(DatasetError, match=r"rows 0 and 2 \(0-based\) have the same uid 'math_dapo-7'"):
+    with pytest.raises(DatasetError, match=r"rows 0 and 2 \(0-based\) have the same uid 'math_dapo-7'; .*`make data "
+                                           r"DAPO_MATH=<file>`"):
         load_prompt_dataset(path, TOK, max_prompt_length=16)
     # Numbering rows instead resolves it.
     assert len(load_prompt_dataset(path, TOK, max_prompt_length=16, uid_prefix="p")) == 3
