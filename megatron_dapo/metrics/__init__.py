@@ -12,7 +12,7 @@ Importing this package is light: the logger imports tensorboard only when a Tens
 is constructed.
 """
 
-from megatron_dapo.metrics.data import compute_data_metrics, compute_overlong_metrics
+from megatron_dapo.metrics.data import compute_data_metrics, compute_overlong_metrics, reward_extra_metrics
 from megatron_dapo.metrics.logger import MetricsLogger
 from megatron_dapo.metrics.moe import MoELoadBalanceAccumulator
 from megatron_dapo.metrics.spec_decode import compute_spec_decode_metrics
@@ -32,6 +32,7 @@ __all__ = [
     "StageTimer",
     "compute_data_metrics",
     "compute_overlong_metrics",
+    "reward_extra_metrics",
     "compute_spec_decode_metrics",
     "compute_staleness_metrics",
     "compute_throughout_metrics",

@@ -17,10 +17,12 @@ so a GPU batch costs one synchronisation for the whole dictionary, not one per m
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["compute_data_metrics"]
+__all__ = ["compute_data_metrics", "compute_overlong_metrics", "reward_extra_metrics"]
 
 
 def compute_data_metrics(
@@ -172,3 +174,15 @@ def _describe(x: object) -> str:
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def reward_extra_metrics(rows) -> dict[str, float]:
+    """`reward_extra/<key>/mean` of every numeric key (bools count as 0 / 1) the reward function returned
+    beyond score / acc / pred, over the rows that returned it. rows: a dict per row (RewardOutput.extra
+    "reward_extra"), or None."""
+    sums: dict[str, list[float]] = {}
+    for extra in rows or ():
+        for key, value in extra.items():
+            if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+                sums.setdefault(key, []).append(float(value))
+    return {f"reward_extra/{key}/mean": sum(values) / len(values) for key, values in sorted(sums.items())}

@@ -3,11 +3,12 @@
 
 The function has verl's signature and is called by keyword, as verl calls it:
 
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | bool | dict
 
 data_source and extra_info are the prompt row's (`extra_info` a dict, {} when the row has none);
-ground_truth is the row's reward_model.ground_truth as text. It returns a real number (the score) or a
-dict with at least "score" (and optionally "acc", a bool, and "pred"). It runs where the built-in
+ground_truth is the row's reward_model.ground_truth as text. It returns a real number (the score), a bool
+(right: score 1, wrong: 0) or a dict with at least "score" (and optionally "acc", a bool, and "pred"; any
+other key is kept per row, logged as reward_extra/<key>/mean when numeric and written to the dumps). It runs where the built-in
 functions run (in the reward workers, with reward.timeout_s, reward.on_error and the same named errors):
 `CustomRewardFn` pickles as its path and name, and each worker loads the file once.
 """
@@ -75,6 +76,10 @@ class CustomRewardFn:
                  extra_info: Mapping | None = None):
         result = self.load()(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                              extra_info=dict(extra_info or {}))
-        if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        if type(result).__module__ == "numpy" and hasattr(result, "item"):
+            result = result.item()  # a numpy scalar (np.float64, np.bool_) as the Python value it holds
+        if isinstance(result, bool):  # right or wrong: verl scores it as 1 / 0
+            return {"score": float(result), "acc": result}
+        if isinstance(result, numbers.Real):
             return {"score": result}
         return result  # a dict is checked by the reward manager like any reward function's

@@ -4,7 +4,9 @@ Shapes: B = responses in the batch. ``RewardOutput.reward`` and ``.score`` are `
 
 A reward function is ``score_fn(solution_str, ground_truth) -> dict`` with at least ``"score"``
 (a finite real number); ``"acc"`` (bool) and ``"pred"`` are used when present (``acc`` defaults
-to ``score > 0``, ``pred`` to None).
+to ``score > 0``, ``pred`` to None). Its other keys (verl's ``reward_extra_info``) are kept per row in
+``extra["reward_extra"]``: the trainer logs the numeric ones as ``reward_extra/<key>/mean`` and dumps
+them with the rollouts.
 
 Failure handling. Any of these counts as a failed call for a row: the function raises, returns
 something without a ``"score"`` key, returns a score that is not a finite real number, runs
@@ -77,6 +79,7 @@ class RewardOutput:
     score:   [B] float32, the reward function's score (``error_score`` on failed rows).
     extra:   per-row lists of length B: "score", "acc", "pred", "overlong_reward",
              "overlong" (the response reached max_response_length), "error" (the call failed),
+             "reward_extra" (a dict per row: the other keys the function returned, {} when none),
              and "data_source" when data sources were given.
     num_errors: rows whose reward call failed (only nonzero with on_error="penalize").
     error_messages: the first few failure messages.
@@ -150,6 +153,7 @@ class _Outcome:
     score: float = 0.0
     acc: bool = False
     pred: object = None
+    extra: dict | None = None  # the returned dict's other keys
     failure: str | None = None
     detail: str = ""  # traceback text of a raised exception, for the log and RewardError
 
@@ -175,7 +179,18 @@ def _check_result(result: object) -> _Outcome:
             pass
     if not isinstance(acc, (bool, int)) or (isinstance(acc, int) and acc not in (0, 1)):
         return _Outcome(failure=f"returned acc={acc!r} ({type(acc).__name__}), expected a bool")  # NaN would count as correct
-    return _Outcome(score=score, acc=bool(acc), pred=result.get("pred"))
+    extra = {str(k): _plain(v) for k, v in result.items() if k not in ("score", "acc", "pred")}
+    return _Outcome(score=score, acc=bool(acc), pred=result.get("pred"), extra=extra or None)
+
+
+def _plain(value):
+    """A torch or numpy scalar as the Python number it holds (logged and dumped as one); anything else as is."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        try:
+            return value.item()
+        except (ValueError, RuntimeError, AttributeError):
+            return value
+    return value
 
 
 def _call_checked(score_fn: ScoreFn, solution: str, ground_truth: object, row_info: dict | None = None) -> _Outcome:
@@ -428,6 +443,7 @@ class RewardManager:
             "overlong_reward": overlong_t.tolist(),
             "overlong": [length >= self.max_response_length for length in lengths],
             "error": [o.failure is not None for o in outcomes],
+            "reward_extra": [dict(o.extra or {}) for o in outcomes],
         }
         if data_sources is not None:
             extra["data_source"] = list(data_sources)

@@ -35,6 +35,7 @@ from megatron_dapo.metrics import (
     compute_throughout_metrics,
     compute_timing_metrics,
     compute_variance_proxy_metrics,
+    reward_extra_metrics,
 )
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.ragged import share_kept_rows
@@ -343,6 +344,7 @@ class DAPOTrainer:
                                                     overlong=batch.extra["overlong"], aborted=rb.aborted))
         metrics["critic/acc/mean"] = float(torch.tensor([float(a) for a in batch.extra["acc"]]).mean())
         metrics["reward/num_errors"] = float(sum(bool(e) for e in batch.extra.get("error", [])))
+        metrics.update(reward_extra_metrics(batch.extra.get("reward_extra")))
         metrics.update(compute_spec_decode_metrics(rb.meta))
         return metrics
 
@@ -377,7 +379,7 @@ class DAPOTrainer:
         if not out_dir or not self.is_rank0:
             return
         os.makedirs(out_dir, exist_ok=True)
-        rb = batch.rollout
+        rb, extra = batch.rollout, batch.extra.get("reward_extra")
         with open(os.path.join(out_dir, f"step_{step}.jsonl"), "w") as f:
             for i in range(len(batch)):
                 f.write(json.dumps({
@@ -387,7 +389,8 @@ class DAPOTrainer:
                     "score": float(batch.scores[i]), "reward": float(batch.rewards[i]),
                     "acc": bool(batch.extra["acc"][i]), "finish_reason": rb.finish_reason[i],
                     "policy_version": int(rb.policy_version[i]),
-                    **({} if min_versions is None else {"min_policy_version": int(min_versions[i])})}) + "\n")
+                    **({} if min_versions is None else {"min_policy_version": int(min_versions[i])}),
+                    **({"reward_extra": extra[i]} if extra and extra[i] else {})}, default=str) + "\n")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:

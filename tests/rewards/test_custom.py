@@ -22,7 +22,10 @@ SOURCE = textwrap.dedent('''
         right = solution_str.strip() == str(ground_truth)
         bonus = extra_info.get("bonus", 0.0) if extra_info else 0.0
         if data_source == "as-dict":
-            return {"score": (1.0 if right else 0.0) + bonus, "acc": right, "pred": solution_str.strip()}
+            return {"score": (1.0 if right else 0.0) + bonus, "acc": right, "pred": solution_str.strip(),
+                    "len": len(solution_str)}
+        if data_source == "as-bool":
+            return right
         if solution_str == "raise":
             raise ZeroDivisionError("custom boom")
         if solution_str == "nan":
@@ -51,6 +54,14 @@ def test_the_function_gets_each_rows_data_source_and_extra_info(reward_file, tim
     assert out.score.tolist() == [1.5, -1.0, 1.25, 0.0]
     assert out.extra["acc"] == [True, False, True, False]  # a float's acc is score > 0, as for the built-ins
     assert out.extra["pred"] == [None, None, "5", "4"]
+    assert out.extra["reward_extra"] == [{}, {}, {"len": 3}, {"len": 1}]  # verl's reward_extra_info, per row
+
+
+@pytest.mark.parametrize("timeout_s", [0, 5.0], ids=["inline", "workers"])
+def test_a_bool_is_right_or_wrong(reward_file, timeout_s):
+    with RewardManager(CustomRewardFn(str(reward_file)), max_response_length=16, timeout_s=timeout_s) as manager:
+        out = manager.score(["7", "8"], ["7", "7"], [1, 1], data_sources=["as-bool"] * 2, extra_infos=[{}, {}])
+    assert out.score.tolist() == [1.0, 0.0] and out.extra["acc"] == [True, False]
 
 
 @pytest.mark.parametrize("timeout_s", [0, 5.0], ids=["inline", "workers"])

@@ -109,8 +109,10 @@ def test_overlong_penalty_is_the_closed_form(make_manager):
 def test_extra_holds_one_entry_per_row_for_every_key(make_manager):
     manager = make_manager(get_reward_fn("arithmetic"), timeout_s=0)
     out = manager.score(["19", "7", "x"], ["19", "8", "1"], [2, 1, 1], data_sources=["arith", "arith", "b"])
-    assert set(out.extra) == {"score", "acc", "pred", "overlong_reward", "overlong", "error", "data_source"}
+    assert set(out.extra) == {"score", "acc", "pred", "overlong_reward", "overlong", "error", "data_source",
+                              "reward_extra"}
     assert all(len(values) == 3 for values in out.extra.values())
+    assert out.extra["reward_extra"] == [{}, {}, {}]
     assert out.extra["score"] == [1.0, 0.0, 0.0]
     assert out.extra["acc"] == [True, False, False]
     assert out.extra["pred"] == ["19", "7", "[INVALID]"]
@@ -316,3 +318,23 @@ def test_function_the_worker_cannot_import_fails_at_start_up(make_manager, monke
     with pytest.raises(RuntimeError, match=r"exited during start-up \(exit code 1\)"):
         manager.score(["a"], ["a"], [1])
     assert manager._workers == [None]
+
+
+def with_extra_info(solution, ground_truth):
+    import numpy as np
+
+    right = solution == ground_truth
+    return {"score": float(right), "acc": right, "format_ok": solution.isdigit(), "n_chars": np.int64(len(solution)),
+            "note": "free text"}
+
+
+@INLINE_AND_WORKERS
+def test_a_dicts_other_keys_are_kept_per_row_as_plain_values(make_manager, timeout_s):
+    out = make_manager(with_extra_info, timeout_s=timeout_s).score(["12", "x"], ["12", "3"], [2, 1])
+    assert out.extra["reward_extra"] == [{"format_ok": True, "n_chars": 2, "note": "free text"},
+                                         {"format_ok": False, "n_chars": 1, "note": "free text"}]
+    assert type(out.extra["reward_extra"][0]["n_chars"]) is int
+    from megatron_dapo.metrics import reward_extra_metrics
+
+    assert reward_extra_metrics(out.extra["reward_extra"]) == {"reward_extra/format_ok/mean": 0.5,
+                                                               "reward_extra/n_chars/mean": 1.5}
