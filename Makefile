@@ -146,7 +146,7 @@ tensorboard: install
 
 data: install
 	@test -n "$(DAPO_MATH)$(AIME)" || { echo "usage: make data DAPO_MATH=path/to/dapo-math-17k.parquet AIME=path/to/aime-2024.parquet"; exit 2; }
-	$(BIN)/python -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data
+	$(BIN)/python -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data $(ARGS)
 
 # AIME 2024 avg@32 / pass@k of a checkpoint or HF directory (DAPO's sampling: T=1.0, top_p=0.7).
 eval-aime: install

@@ -21,13 +21,20 @@
 # RAY_JOB_SUBMIT_ARGS (extra `ray job submit` flags, e.g. "--no-wait" or "--submission-id x").
 set -euo pipefail
 
+usage() {  # the comment block at the top of this script
+    sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | grep '^#' | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//' | sed '/./,$!d'
+}
 die() { echo "ray_job.sh: $*" >&2; exit 2; }
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DRY_RUN=${DRY_RUN:-0}
 ARGS=()
 for arg in "$@"; do
-    if [[ "$arg" == --dry-run ]]; then DRY_RUN=1; else ARGS+=("$arg"); fi
+    case "$arg" in
+        -h|--help) usage; exit 0 ;;
+        --dry-run) DRY_RUN=1 ;;
+        *) ARGS+=("$arg") ;;
+    esac
 done
 (( ${#ARGS[@]} >= 1 )) || die "usage: launch/ray_job.sh [--dry-run] <recipe.yaml> [key=value ...]"
 RECIPE=${ARGS[0]}

@@ -14,12 +14,16 @@
 # Also DRY_RUN=1 for --dry-run.
 set -euo pipefail
 
+usage() {  # the comment block at the top of this script
+    sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | grep '^#' | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//' | sed '/./,$!d'
+}
 die() { echo "torchrun.sh: $*" >&2; exit 2; }
 
 DRY_RUN=${DRY_RUN:-0}
 ARGS=()
 for arg in "$@"; do
     case "$arg" in
+        -h|--help) usage; exit 0 ;;
         --dry-run) DRY_RUN=1 ;;
         trainer.nnodes=*|trainer.n_gpus_per_node=*) die "$arg: set by this script from NPROC (one node)" ;;
         *) ARGS+=("$arg") ;;

@@ -307,6 +307,18 @@ class SafetensorsDir:
         return self._handles[file].get_tensor(name)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 class ShardedSafetensorsWriter:
     """Write named tensors into files of at most `max_shard_bytes`; `close()` names them
     `{prefix}-0000k-of-0000n.safetensors` (or `{prefix}.safetensors` when there is one)
@@ -330,7 +342,9 @@ class ShardedSafetensorsWriter:
 
     def _flush(self) -> None:
         tmp = f"{self.prefix}.part{len(self._files):05d}.tmp"
-        save_file(self._pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        path = os.path.join(self.out_dir, tmp)
+        save_file(self._pending, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates its files 0600; weights are files like any other
         self._files.append((tmp, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

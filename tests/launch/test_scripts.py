@@ -35,6 +35,18 @@ def test_script_parses_with_bash_n(script):
 
 
 @pytest.mark.parametrize("script", [p for p in SCRIPTS if p.name != "env.sh"], ids=lambda p: p.name)
+def test_entry_scripts_answer_help_with_their_header_and_start_nothing(script, tmp_path):
+    header = [line[2:] for line in script.read_text().splitlines()[1:12] if line.startswith("# ")]
+    for flag in ("--help", "-h"):
+        proc = subprocess.run(["bash", str(script), flag], capture_output=True, text=True, cwd=tmp_path,
+                              env={"PATH": os.environ["PATH"]}, timeout=30)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.splitlines()[0] == header[0]
+        assert not any(line.startswith("#SBATCH") for line in proc.stdout.splitlines())
+        assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script", [p for p in SCRIPTS if p.name != "env.sh"], ids=lambda p: p.name)
 def test_entry_scripts_are_executable(script):
     assert os.access(script, os.X_OK)
 

@@ -1,5 +1,6 @@
 """weights: canonical names (incl. Transformer-Engine spellings), TP split rules, file IO."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -77,6 +78,15 @@ def test_sharded_writer_splits_files_and_reader_finds_every_tensor(tmp_path):
     with pytest.raises(KeyError, match="'t9' not found"):
         reader.get("t9")
     assert ShardedSafetensorsWriter(str(tmp_path / "empty")).close() == {}
+    umask = os.umask(0o022)  # the files follow the umask like any other (safetensors alone makes them 0600)
+    try:
+        assert {oct(os.stat(tmp_path / f).st_mode & 0o777) for f in set(weight_map.values())} == {"0o644"}
+        os.umask(0o027)
+        writer = ShardedSafetensorsWriter(str(tmp_path / "group"))
+        writer.add("t", tensors["t0"])
+        assert oct(os.stat(tmp_path / "group" / writer.close()["t"]).st_mode & 0o777) == "0o640"
+    finally:
+        os.umask(umask)
 
 
 # ---- the weight sync's gathers on 4 gloo processes -----------------------------------------------------
