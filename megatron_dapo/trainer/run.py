@@ -618,6 +618,15 @@ def freeze_startup_objects() -> None:
     atexit.register(gc.unfreeze)
 
 
+def _exhausted_hint(cfg: Config) -> str:
+    """Why nearly every group may be constant when the policy starts from nothing it was taught."""
+    if cfg.model.hf_path or cfg.trainer.sft_warmup_steps > 0:
+        return ""
+    return ("; the policy starts from random weights (model.hf_path is empty) without a supervised warm-up "
+            "(trainer.sft_warmup_steps=0), so almost no answer is right: set trainer.sft_warmup_steps "
+            "(the embedded default's configs/tiny_cpu.yaml sets it) or start from a model")
+
+
 def run(cfg: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t0 = time.time()
@@ -634,6 +643,8 @@ def run(cfg: Config) -> int:
     parts = trainer.p
     from megatron_dapo.trainer.preemption import Preempted
 
+    from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
+
     preempted = None
     try:
         val = trainer.fit()
@@ -641,6 +652,10 @@ def run(cfg: Config) -> int:
         preempted = p
         log.warning("%s; exiting with trainer.preemption_exit_code=%d (resume_mode=auto continues from it)", p,
                     cfg.trainer.preemption_exit_code)
+    except DynamicSamplingExhausted as e:  # every rank takes the same decision: one line, like a config error
+        if parts.pgs.rank == 0:
+            print(f"training error: {e}{_exhausted_hint(cfg)}", file=sys.stderr)
+        return 2
     finally:
         close_parts(parts)
     if preempted is not None:

@@ -227,3 +227,14 @@ def test_total_epochs_ends_training_after_the_last_prompt_of_the_epochs(tmp_path
     prompts = [sorted({u.split("@")[0] for s in steps for u in _dumped_uids(tmp_path / "dumps", s)})
                for steps in ((1, 2), (3, 4))]
     assert prompts[0] == prompts[1] == [f"arith-train-{i}" for i in range(8)]  # every prompt once per epoch
+
+
+def test_dynamic_sampling_that_cannot_fill_a_step_ends_the_run_with_one_line_naming_the_warm_up(tmp_path, capsys):
+    # acc on a random model: every group constant, so the step can never fill (the embedded default without
+    # its supervised warm-up).
+    cfg = _cfg(tmp_path, "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=2",
+               "trainer.val_before_train=false", "trainer.experiment_name=dse")
+    assert run(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("training error: dynamic sampling kept 0 of the 4 prompts needed")
+    assert "(trainer.sft_warmup_steps=0)" in err[0] and "Traceback" not in err[0]
