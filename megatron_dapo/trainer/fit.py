@@ -127,7 +127,7 @@ class DAPOTrainer:
         """Train to trainer.total_training_steps (or trainer.total_epochs); raises Preempted after a checkpoint when a stop signal
         came (trainer/preemption.py)."""
         self.watch = PreemptionWatch(self.cfg.trainer.exit_signals, group=self.p.pgs.ctrl,
-                                     world_size=self.p.pgs.world_size)
+                                     world_size=self.p.pgs.world_size, on_signal=self._cut_generation)
         try:
             out = self._fit()
             self._finish_save()
@@ -147,6 +147,17 @@ class DAPOTrainer:
             self._save()
         self._finish_save()
         raise Preempted(name, self.global_step)
+
+    def _cut_generation(self) -> None:
+        """On the first stop signal (its own thread): abort the generation in flight, so the batch returns at
+        once and `_collect` keeps its complete groups (trainer/preemption.py). Only where the abort cannot
+        split the ranks: an engine rank 0 drives (SGLang servers), or a single process; the local engine
+        of a multi-process run decodes in lockstep with its peers and finishes its (short) batch."""
+        from megatron_dapo.rollout.rank0 import RankZeroEngine
+
+        if self.p.pgs.world_size == 1 or (isinstance(self.p.engine, RankZeroEngine) and self.is_rank0):
+            log.warning("stop signal: the generation in flight is aborted; its complete groups are kept")
+            self.p.engine.abort()
 
     def _fit(self) -> dict[str, float]:
         cfg = self.cfg
@@ -205,6 +216,8 @@ class DAPOTrainer:
             min_new_tokens=cfg.rollout.min_new_tokens,
             seed=cfg.trainer.seed * 1_000_003 + step * 1009 + k)
         while True:
+            if self.buffer.num_parts and self.buffer.ready():  # resumed with the step's groups already kept
+                break
             k = self.buffer.num_gen_batches
             drawn = p.sampler.next_batch()
             records = [p.train_data[i] for i in drawn]
@@ -215,7 +228,11 @@ class DAPOTrainer:
                                           expect_policy_version=self.global_step, on_groups_done=stop)
             faults.maybe_crash("generation", step)
             generated, cut = int(rollout.response_length.sum()), 0
-            if stop is not None:  # cut groups leave the batch; their prompts go back to the sampler
+            stopping = self.watch.requested() is not None  # every rank: a stop signal cut this batch
+            if stopping and not cfg.algorithm.filter_groups.enable:  # nothing kept: the batch is drawn again
+                p.sampler.push_front(drawn)
+                rollout, records = None, []
+            elif stop is not None or stopping:  # cut groups leave the batch; their prompts go back to the sampler
                 rollout, records, cut = self._keep_finished(rollout, records, drawn)
             scored = None
             if records:
@@ -228,7 +245,11 @@ class DAPOTrainer:
                                                        tokenizer=p.tokenizer, reward_manager=p.reward_manager,
                                                        group=p.pgs.ctrl)
             faults.maybe_crash("after_reward", step)
-            self.buffer.add(scored, generated_tokens=generated, cut_groups=cut)
+            if scored is not None or not stopping:
+                self.buffer.add(scored, generated_tokens=generated, cut_groups=cut)
+            if stopping:  # the kept groups on disk, then the checkpoint and the stop (trainer/preemption.py)
+                self._save_inflight(step)
+                self._stop_if_signalled(saved=False)
             if self.buffer.ready() or not self.buffer.check_budget():
                 break
             self._save_inflight(step)  # a crash from here on resumes without regenerating these groups

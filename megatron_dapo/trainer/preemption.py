@@ -8,7 +8,13 @@ rank stops all of them at the same point:
 
 - the end of a step, after its checkpoint when one was due;
 - in the sync trainer, between generation batches of a step, right after the kept groups were saved
-  (`ckpt.save_inflight`): the resumed run continues that step without regenerating them.
+  (`ckpt.save_inflight`): the resumed run continues that step without regenerating them;
+- in the sync trainer, right after a generation batch the signal cut: on the first signal, rank 0 aborts
+  the generation in flight (`on_signal`), the batch returns at once with its unfinished rows aborted, the
+  complete groups are scored and saved as kept groups (with dynamic sampling; without it, the batch's
+  prompts go back to the sampler) and the cut groups' prompts go back to the front of the sampler, so no
+  sample is lost or trained twice. A stop therefore waits for at most the rest of the step's training
+  (or the cut generation's scoring) plus the checkpoint write, never for a 20-minute generation.
 
 There the trainer writes a checkpoint of the step reached (unless one exists; none before the first step,
 whose kept groups alone resume it) and raises `Preempted`; `python -m megatron_dapo.train` exits with
@@ -43,11 +49,13 @@ class Preempted(Exception):
 class PreemptionWatch:
     """Records the first of `signals` this process receives; `requested()` agrees on it across ranks."""
 
-    def __init__(self, signals=EXIT_SIGNALS, *, group=None, world_size: int = 1):
+    def __init__(self, signals=EXIT_SIGNALS, *, group=None, world_size: int = 1, on_signal=None):
+        """on_signal: called once, in a thread of its own, when the first signal arrives (the trainer cuts
+        the generation in flight with it: trainer/fit.py `_cut_generation`)."""
         unknown = sorted(set(signals) - set(EXIT_SIGNALS))
         if unknown:
             raise ValueError(f"trainer.exit_signals: {unknown} are not among {list(EXIT_SIGNALS)}")
-        self.signals, self.group, self.world_size = tuple(signals), group, world_size
+        self.signals, self.group, self.world_size, self.on_signal = tuple(signals), group, world_size, on_signal
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
@@ -63,6 +71,15 @@ class PreemptionWatch:
         if self.received is None:
             self.received = name
             log.warning("%s received: the run stops with a checkpoint at the next safe point", name)
+            if self.on_signal is not None:  # no network call inside a signal handler: a thread does it
+                threading.Thread(target=self._call_on_signal, name="stop-signal", daemon=True).start()
+
+    def _call_on_signal(self) -> None:
+        try:
+            self.on_signal()
+        except Exception as e:  # noqa: BLE001 - the stop still happens at the next safe point
+            log.warning("acting on the stop signal failed (%s: %s); the run stops at the next safe point",
+                        type(e).__name__, e)
 
     def requested(self) -> str | None:
         """The signal some rank received (when ranks got different ones, the one latest in EXIT_SIGNALS), or

@@ -183,7 +183,12 @@ class QueueTrainer(DAPOTrainer):
         return result
 
     def _done(self) -> bool:
-        return self._rank0(super()._done)  # the sampler's epoch is known on rank 0, which issues the prompts
+        return self._rank0(super()._done)
+
+    def _cut_generation(self) -> None:
+        """A stop signal does not abort generation here: a producer would write the aborted rows as a finished
+        group. The run stops at the end of the step (trainer/preemption.py); in async mode the producers'
+        running claims are reissued by the next start's recovery."""  # the sampler's epoch is known on rank 0, which issues the prompts
 
     # ---------------------------------------------------------------------------------------------
     def _fit(self) -> dict[str, float]:

@@ -641,9 +641,8 @@ def run(cfg: Config) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     parts = trainer.p
-    from megatron_dapo.trainer.preemption import Preempted
-
     from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
+    from megatron_dapo.trainer.preemption import Preempted
 
     preempted = None
     try:

@@ -215,14 +215,14 @@ def test_real_launch_starts_ray_then_trainers_logs_per_node_and_returns_trainer_
 
 def test_usr1_before_the_time_limit_is_forwarded_to_every_nodes_trainer_ranks_and_the_job_requeued(
         fake_bin, tmp_path):
-    """Slurm sends the batch script USR1 ahead of the time limit (#SBATCH --signal=B:USR1@600): it asks
+    """Slurm sends the batch script USR1 ahead of the time limit (#SBATCH --signal=B:USR1@1200): it asks
     the ranks on every node (the children of each node's torchrun) to checkpoint and stop, keeps waiting
     for the trainer steps (the signal interrupts bash's `wait`), then requeues the job."""
     import signal
     import time
 
     header = SBATCH.read_text()
-    assert "#SBATCH --signal=B:USR1@600" in header and "#SBATCH --requeue" in header
+    assert "#SBATCH --signal=B:USR1@1200" in header and "#SBATCH --requeue" in header
     nodes = NODES[:3]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "RAY_"))}
     env.update(PATH=f"{fake_bin}:{env['PATH']}", SLURM_JOB_ID="777", SLURM_JOB_NODELIST=",".join(nodes),
