@@ -278,6 +278,22 @@ class ValKwargs:
 
 
 @dataclass
+class MismatchAlarmConfig:
+    token_mult_prob_error: float = 1.05
+    """Alarm when the step's rollout_corr/token_mult_prob_error (mean exp|log p_actor - log p_engine| over response tokens) exceeds this (NeMo-RL's nightly gate)."""
+    mismatch_kl: float = 0.015
+    """Alarm when the step's rollout_corr/mismatch_kl (k3 estimate of KL(engine || actor) over response tokens) exceeds this (prime-rl's bound)."""
+    stop_after: int = 0
+    """Consecutive alarmed steps that stop the run with MismatchAlarmError; 0 = warn only."""
+
+    def __post_init__(self):
+        _check(self.token_mult_prob_error >= 1.0, "rollout.mismatch_alarm.token_mult_prob_error", ">= 1",
+               self.token_mult_prob_error)
+        _check(self.mismatch_kl >= 0.0, "rollout.mismatch_alarm.mismatch_kl", ">= 0", self.mismatch_kl)
+        _check(self.stop_after >= 0, "rollout.mismatch_alarm.stop_after", ">= 0 (0 = warn only)", self.stop_after)
+
+
+@dataclass
 class SpeculativeConfig:
     algorithm: Literal["EAGLE", "NEXTN"] | None = None
     """SGLang speculative decoding with the model's MTP layer as the drafter (needs model.mtp_num_layers=1 and a model SGLang has an MTP drafter for: Qwen3-MoE, SGLang >= 0.5.13); every weight sync sends the MTP layer under the drafter's names (weight_transport=distributed needs SGLang >= 0.5.21). None = off."""
@@ -318,6 +334,8 @@ class RolloutConfig:
     """Training rollouts: EOS (and any stop token) cannot be sampled before this many response tokens; 0 = off, at most data.max_response_length. Local engine: those logits are masked; SGLang: its sampling param min_new_tokens. Rollout log-probs stay those of the unmasked distribution (what the actor recomputes), as with top_k / top_p."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling for validation."""
+    mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)
+    """Thresholds on the engine/actor log-prob mismatch of each step (trainer/mismatch.py)."""
     max_num_seqs: int = 256
     """engine=local: rows (prompt x sample) per forward; more rows, fewer forwards per generation. [recipe: actor_rollout_ref.rollout.max_num_seqs]"""
     tensor_model_parallel_size: int = 1

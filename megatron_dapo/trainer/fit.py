@@ -42,6 +42,7 @@ from megatron_dapo.rollout.ragged import share_kept_rows
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer import faults, stages
 from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull, finished_groups
+from megatron_dapo.trainer.mismatch import MismatchAlarm
 from megatron_dapo.trainer.preemption import Preempted, PreemptionWatch
 from megatron_dapo.trainer.replay import provide_rollout_routing
 from megatron_dapo.trainer.validate import validate
@@ -113,6 +114,7 @@ class DAPOTrainer:
         self._saved_step: int | None = None  # the step of the checkpoint this process last wrote or read
         self._pending_save: ckpt.PendingSave | None = None  # trainer.async_save: shards still being written
         self._inflight_parts = 0  # the kept-group parts of the step in progress already on disk (_save_inflight)
+        self.mismatch_alarm = MismatchAlarm(cfg.rollout.mismatch_alarm, is_rank0=self.is_rank0)
         # actor -> engine, with the policy version (default: a colocated engine sharing the weights)
         self.sync_weights = parts.sync_weights or (lambda v: parts.engine.update_weights(None, policy_version=v))
         self.last_val: dict[str, float] = {}
@@ -302,6 +304,7 @@ class DAPOTrainer:
                                               with_sum_sq=True)
                 old, sum_sq = lp.log_probs, lp.sum_sq_probs
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                self._check_mismatch(step, metrics, old, batch, mask)
                 if p.actor.policy.last_replay_metrics:  # r3: the old_log_prob pass replayed the rollout's routing
                     metrics["router_replay/rollout_mismatch_frac"] = float(
                         p.actor.policy.last_replay_metrics["router_replay/mismatch_frac"])
@@ -346,6 +349,7 @@ class DAPOTrainer:
                     actor_metrics, lp = p.actor.update_policy_on_policy(pb, with_sum_sq=True)
                     old, sum_sq = lp.log_probs, lp.sum_sq_probs
                     actor_metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                    self._check_mismatch(step, actor_metrics, old, batch, mask)
                 else:
                     actor_metrics = p.actor.update_policy(pb)
             faults.maybe_crash("after_update_actor", step)
@@ -368,6 +372,11 @@ class DAPOTrainer:
         metrics.update(reward_extra_metrics(batch.extra.get("reward_extra")))
         metrics.update(compute_spec_decode_metrics(rb.meta))
         return metrics
+
+    def _check_mismatch(self, step: int, metrics: dict[str, float], old, batch, mask) -> None:
+        """rollout.mismatch_alarm on this step's contract metrics (trainer/mismatch.py)."""
+        self.mismatch_alarm.check(step, metrics, actor_log_probs=old, engine_log_probs=batch.rollout.rollout_log_probs,
+                                  mask=mask, data_sources=batch.extra.get("data_source"))
 
     def _perf_metrics(self, batch, timings: dict[str, float]) -> dict[str, float]:
         rb = batch.rollout

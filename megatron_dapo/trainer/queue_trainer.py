@@ -469,6 +469,7 @@ class QueueTrainer(DAPOTrainer):
             old = _padded(record["old_log_probs"], rb.responses.shape[1])
             if not rc["bypass_mode"]:
                 metrics.update(stages.log_prob_mismatch(old, rb.rollout_log_probs, mask))
+                self._check_mismatch(step, metrics, old, batch, mask)
         rc_now = dict(rc)
         if not self.sync_mode and cfg.queue.stale_policy == "correct" and not rc_now["rollout_is"]:
             rc_now["rollout_is"] = "token"  # samples up to max_staleness syncs old: decoupled token IS

@@ -642,6 +642,7 @@ def run(cfg: Config) -> int:
         return 2
     parts = trainer.p
     from megatron_dapo.trainer.dynamic_sampling import DynamicSamplingExhausted
+    from megatron_dapo.trainer.mismatch import MismatchAlarmError
     from megatron_dapo.trainer.preemption import Preempted
 
     preempted = None
@@ -651,7 +652,7 @@ def run(cfg: Config) -> int:
         preempted = p
         log.warning("%s; exiting with trainer.preemption_exit_code=%d (resume_mode=auto continues from it)", p,
                     cfg.trainer.preemption_exit_code)
-    except DynamicSamplingExhausted as e:  # every rank takes the same decision: one line, like a config error
+    except (DynamicSamplingExhausted, MismatchAlarmError) as e:  # every rank decides alike: one line, like a config error
         if parts.pgs.rank == 0:
             print(f"training error: {e}{_exhausted_hint(cfg)}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.ragged import RaggedRows
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
+from megatron_dapo.trainer.mismatch import mismatch_metrics
 from megatron_dapo.workers.batch import PolicyBatch
 
 
@@ -275,8 +276,10 @@ def policy_batch(batch: ScoredBatch, *, mask: Tensor, old_log_probs: Tensor | No
 
 
 def log_prob_mismatch(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor) -> dict[str, float]:
-    """The first-step invariant: the actor's recomputed log-probs against the engine's."""
+    """The first-step invariant: the actor's recomputed log-probs against the engine's, with the contract
+    metrics of trainer/mismatch.py."""
     diff = (old_log_probs - rollout_log_probs).abs() * mask
     n = mask.sum().clamp(min=1)
     return {"rollout_corr/log_prob_abs_diff": float(diff.sum() / n),
-            "rollout_corr/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0}
+            "rollout_corr/log_prob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
+            **mismatch_metrics(old_log_probs, rollout_log_probs, mask)}
