@@ -28,11 +28,12 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	$(BIN)/python -m megatron_dapo.train --config $(CONFIG) $(ARGS)
 
-# The default suite: everything but the `slow` and `gpu` markers; well under 30 min on 2 cores. It
-# includes the tests against real SGLang servers (tests/sglang_real), which run in their own venv.
+# The default suite: everything but the `slow` and `gpu` markers. It includes the tests against real
+# SGLang servers (tests/sglang_real), which run in their own venv. The 15 slowest tests are listed at the
+# end, so growth is seen when it happens.
 test: install sglang-env
 	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q \
-		-m "not slow and not gpu" $(ARGS)
+		-m "not slow and not gpu" --durations=15 $(ARGS)
 
 test-all: install sglang-env
 	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q -m "not gpu" $(ARGS)
