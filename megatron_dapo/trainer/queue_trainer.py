@@ -42,7 +42,7 @@ Modes.
   restarted and its running claims are reissued.
 
 Processes: the queue and the producers live on global rank 0; it collects each local update's batch
-(gen, dynamic sampling, the staleness check) and sends it to every rank (real tokens only, as flat
+(gen, dynamic sampling, the staleness check: queue_collect.py) and sends it to every rank (real tokens only, as flat
 tensors: `_share_batch`),
 and every rank runs the actor's passes and the weight push, as in the sync trainer. An error in rank
 0's part reaches every rank (`_rank0`).
