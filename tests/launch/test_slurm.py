@@ -381,6 +381,11 @@ def test_the_preflight_runs_first_in_a_dry_run_and_a_problem_starts_nothing(fake
                                              "dapo: the preflight found the problems above; nothing was started"]
     assert [line.split(":")[0] for line in (tmp_path / "record.txt").read_text().splitlines()] == ["preflight"]
     assert not (REPO / "logs" / "777").exists()
+    (tmp_path / "record.txt").unlink()
+    proc = _run(fake_bin, tmp_path, "--dry-run", "actor.lr=2e-6", FAKE_CHECK_RC="2")  # a preview goes on
+    assert proc.returncode == 2
+    assert "a real job would stop here (the dry run goes on)" in proc.stderr
+    assert len(_commands(proc.stdout)["trainer"]) == 16  # every node's command still printed
 
 
 def test_a_pyxis_container_runs_every_step_and_the_batch_hosts_commands_in_the_image(fake_bin, tmp_path):
