@@ -378,13 +378,15 @@ def test_the_preflight_runs_first_in_a_dry_run_and_a_problem_starts_nothing(fake
     proc = _run(fake_bin, tmp_path, "actor.lr=2e-6", FAKE_CHECK_RC="2")  # a real submission whose check fails
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-2:] == ["preflight: data.train_files: data/x.parquet: no such file",
-                                             "dapo: the preflight found the problems above; nothing was started"]
+                                             "dapo: the preflight found the problems above; nothing was started (it "
+                                             f"ran PYTHON={fake_bin / 'fake-python'}: a missing module means that is "
+                                             "not the run's environment; set PYTHON)"]
     assert [line.split(":")[0] for line in (tmp_path / "record.txt").read_text().splitlines()] == ["preflight"]
     assert not (REPO / "logs" / "777").exists()
     (tmp_path / "record.txt").unlink()
     proc = _run(fake_bin, tmp_path, "--dry-run", "actor.lr=2e-6", FAKE_CHECK_RC="2")  # a preview goes on
     assert proc.returncode == 2
-    assert "a real job would stop here (the dry run goes on)" in proc.stderr
+    assert "a real job would stop here (the dry run goes on;" in proc.stderr
     assert len(_commands(proc.stdout)["trainer"]) == 16  # every node's command still printed
 
 
