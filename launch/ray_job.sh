@@ -48,6 +48,17 @@ RUNTIME_ENV=${RUNTIME_ENV:-$REPO_DIR/launch/runtime_env.yaml}
 # The recipe path travels as written and is read inside the unpacked working directory.
 [[ -f "$WORKING_DIR/$RECIPE" ]] || die "recipe $RECIPE not found under WORKING_DIR=$WORKING_DIR (give it relative to WORKING_DIR)"
 
+# Ray runs the job in a temporary copy of WORKING_DIR on each node: a relative output directory would leave
+# the checkpoints and TensorBoard files there (docs/cluster.md).
+OUTPUT_DIR=$(sed -n 's/^[[:space:]]*output_dir:[[:space:]]*//p' "$WORKING_DIR/$RECIPE" | head -n 1)
+for o in "${OVERRIDES[@]}"; do
+    case "$o" in trainer.output_dir=*) OUTPUT_DIR=${o#trainer.output_dir=} ;; esac
+done
+if [[ "${OUTPUT_DIR:-runs}" != /* ]]; then
+    echo "ray_job.sh: trainer.output_dir=${OUTPUT_DIR:-runs} is relative: checkpoints and TensorBoard files would" \
+         "stay in each node's temporary copy of WORKING_DIR; give trainer.output_dir=/path/on/shared/storage" >&2
+fi
+
 read -r -a EXTRA <<<"${RAY_JOB_SUBMIT_ARGS:-}"
 cmd=("${RAY:-ray}" job submit --address "$RAY_ADDRESS" --runtime-env "$RUNTIME_ENV" --working-dir "$WORKING_DIR"
      "${EXTRA[@]}" -- "${PYTHON:-python}" -m megatron_dapo.ray_launch --config "$RECIPE" "${OVERRIDES[@]}")

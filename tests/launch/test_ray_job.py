@@ -59,6 +59,16 @@ def test_ray_ip_and_explicit_variables_override_the_defaults(tmp_path):
                                           RAY_IP="10.1.2.3").stdout
 
 
+def test_a_relative_output_dir_is_named_since_the_job_runs_in_a_temporary_copy(tmp_path):
+    warned = _run("--dry-run", "configs/tiny_cpu.yaml")
+    assert warned.returncode == 0 and "trainer.output_dir=runs is relative" in warned.stderr
+    shared = _run("--dry-run", "configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path}")
+    assert shared.returncode == 0 and shared.stderr == ""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "r.yaml").write_text(f"trainer:\n  output_dir: {tmp_path}/runs\n")
+    assert _run("--dry-run", "configs/r.yaml", WORKING_DIR=str(tmp_path)).stderr == ""
+
+
 @pytest.mark.parametrize("args, env, message", [
     ([], {}, "usage: launch/ray_job.sh"),
     (["configs/missing.yaml"], {}, "recipe configs/missing.yaml not found under WORKING_DIR"),
