@@ -184,13 +184,14 @@ def _check_result(result: object) -> _Outcome:
 
 
 def _plain(value):
-    """A torch or numpy scalar as the Python number it holds (logged and dumped as one); anything else as is."""
+    """A torch or numpy scalar as the Python number it holds (logged and dumped as one); a string, number, bool
+    or None as is; anything else as its text (the in-flight checkpoint stores only plain values)."""
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         try:
-            return value.item()
+            value = value.item()
         except (ValueError, RuntimeError, AttributeError):
-            return value
-    return value
+            pass
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def _call_checked(score_fn: ScoreFn, solution: str, ground_truth: object, row_info: dict | None = None) -> _Outcome:

@@ -325,14 +325,14 @@ def with_extra_info(solution, ground_truth):
 
     right = solution == ground_truth
     return {"score": float(right), "acc": right, "format_ok": solution.isdigit(), "n_chars": np.int64(len(solution)),
-            "note": "free text"}
+            "note": "free text", "digits": [c for c in solution if c.isdigit()]}
 
 
 @INLINE_AND_WORKERS
 def test_a_dicts_other_keys_are_kept_per_row_as_plain_values(make_manager, timeout_s):
     out = make_manager(with_extra_info, timeout_s=timeout_s).score(["12", "x"], ["12", "3"], [2, 1])
-    assert out.extra["reward_extra"] == [{"format_ok": True, "n_chars": 2, "note": "free text"},
-                                         {"format_ok": False, "n_chars": 1, "note": "free text"}]
+    assert out.extra["reward_extra"] == [{"format_ok": True, "n_chars": 2, "note": "free text", "digits": "['1', '2']"},
+                                         {"format_ok": False, "n_chars": 1, "note": "free text", "digits": "[]"}]
     assert type(out.extra["reward_extra"][0]["n_chars"]) is int
     from megatron_dapo.metrics import reward_extra_metrics
 
