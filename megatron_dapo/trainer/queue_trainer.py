@@ -125,8 +125,12 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         self._seen: set[str] = set()  # done prompts classified by this process
         self._last_issue: tuple[int, int] | None = None  # (step, generation batch) of the last issued batch
         self._row_info = getattr(parts.reward_manager.score_fn, "takes_row_info", False)
-        # The reward stage runs in the producers, on each claim before its write (claim_reward.py).
+        # The reward stage runs in the producers, on each claim before its write (claim_reward.py): the
+        # in-process producer of sync mode scores with the trainer's reward manager (one thread uses it at a
+        # time); the SGLang producer threads get one of their own (_recover_queue), since validation scores
+        # with the trainer's while they run, and a reward manager's worker pipes serve one caller at a time.
         self.scorer = ClaimScorer(parts.tokenizer, parts.reward_manager)
+        self._producer_rewards = None  # the SGLang producer threads' reward manager
         # The engine rank 0 drives itself (SGLang: the client inside RankZeroEngine; None on other ranks).
         self.driven = parts.engine.engine if isinstance(parts.engine, RankZeroEngine) else parts.engine
         self.sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
@@ -342,6 +346,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         if self.producers is not None:
             self.producers.close()
             self.producers = None
+        if self._producer_rewards is not None:
+            self._producer_rewards.close()
+            self._producer_rewards = None
         if self.queue is not None:
             self.queue.close()
 
@@ -379,8 +386,12 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
         num, claim_size = producer_layout(self.cfg.queue, gen_batch=self.gbs, on_servers=self.on_servers)
         if not self.sync_mode and self.on_servers:
+            from megatron_dapo.trainer.run import build_reward_manager
+
+            self._producer_rewards = build_reward_manager(self.cfg)
             self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling, num=num,
-                                             claim_size=claim_size, scorer=self.scorer)
+                                             claim_size=claim_size,
+                                             scorer=ClaimScorer(self.p.tokenizer, self._producer_rewards))
             self.producers.start()
         elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))
