@@ -360,3 +360,34 @@ def test_a_relaunch_still_loading_at_the_release_is_stopped_and_started_again_at
         time.sleep(0.01)
     assert calls == [B, B] and pool.state[B] == "up"
     assert [p for p, _ in control.to(B)] == []  # the relaunch was neither released nor resumed
+
+
+def test_a_probe_from_before_a_server_came_back_does_not_take_it_down_again():
+    """A poll round probes every server and applies the results together: B's refusal, taken while B was down,
+    must not be applied after B was readmitted during the round (a slow generating probe of A held it open),
+    or the healthy relaunch is marked down and stopped."""
+    script = Script()
+    pool = _pool(script, version=3)
+    pool.mark_down(B, "killed")
+    release_a = threading.Event()
+
+    def probe(url, deep=True):
+        if url == B:
+            return Probe(False, error="ConnectionError: refused", refused=True)
+        release_a.wait(5)  # A's generating probe is slow; meanwhile B comes back
+        return Probe(True, "3")
+
+    pool.probe = probe
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as ex:
+        round_ = threading.Thread(target=pool.poll_once, args=(ex,))
+        round_.start()
+        time.sleep(0.1)
+        pool.mark_up(B, "answers again with weight version 3")  # the relaunch thread's own probe, or the sync
+        release_a.set()
+        round_.join(5)
+    assert pool.state == {A: "up", B: "up"}
+    assert [e.kind for e in pool.events if e.url == B].count("down") == 1
+    pool.poll_once()  # a real refusal in a later round still takes it down
+    assert pool.state[B] == "down"

@@ -501,10 +501,18 @@ class ServerPool:
             return [self._s[u].epoch for u in urls]
 
     def poll_once(self, pool: ThreadPoolExecutor | None = None) -> None:
-        """Probe every server once and apply what it shows (the poller's round; tests call it directly)."""
+        """Probe every server once and apply what it shows (the poller's round; tests call it directly). A
+        probe whose server changed state while the round ran is dropped: it shows the server as it was (a
+        refusal from before a relaunch, applied after the relaunch was readmitted, would stop a healthy
+        server); the next round sees it as it is."""
+        with self.cond:
+            before = {u: (self._s[u].life, self._s[u].epoch) for u in self.urls}
         results = list(pool.map(self.check, self.urls)) if pool is not None else [self.check(u) for u in self.urls]
         for url, p in zip(self.urls, results, strict=True):
-            self.observe(url, p)
+            with self.cond:
+                changed = (self._s[url].life, self._s[url].epoch) != before[url]
+            if not changed:
+                self.observe(url, p)
 
     def observe(self, url: str, p: Probe) -> None:
         """Apply one probe of `url`: a live server's failures count (a refusal at once); a returning one
