@@ -44,9 +44,10 @@ def _one_file(value):
     return value
 
 
-def _true(why: str):
+def _is(expected, why: str):
+    """Accept exactly `expected` (True, False or None: by identity, so 0 is not False)."""
     def check(value):
-        if value is not True:
+        if value is not expected:
             raise ValueError(why)
         return value
     return check
@@ -94,22 +95,6 @@ def _do_sample(value):
     return value
 
 
-def _none(why: str):
-    def check(value):
-        if value is not None:
-            raise ValueError(why)
-        return value
-    return check
-
-
-def _false(why: str):
-    def check(value):
-        if value is not False:
-            raise ValueError(why)
-        return value
-    return check
-
-
 def _resume_path(value):
     return value if value else None  # null: no effect (verl's default)
 
@@ -141,7 +126,7 @@ ALIASES: dict[str, Alias] = {
         implies=(("model.arch", "hf"), ("data.tokenizer", lambda v: v), ("model.params_dtype", "bf16"))),
     "actor_rollout_ref.model.enable_gradient_checkpointing": Alias(
         "model.recompute", lambda v: "full" if v else "none", "true -> full, false -> none"),
-    "actor_rollout_ref.model.use_remove_padding": Alias(None, _true(_PACKED), _PACKED),
+    "actor_rollout_ref.model.use_remove_padding": Alias(None, _is(True, _PACKED), _PACKED),
     "actor_rollout_ref.model.use_fused_kernels": Alias("actor.use_fused_kernels"),
     "actor_rollout_ref.actor.router_replay.mode": Alias("actor.router_replay", _router_replay,
                                                         "disabled -> off, R2 -> r2, R3 -> r3"),
@@ -159,9 +144,9 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": Alias("actor.ppo_mini_batch_size"),
     "actor_rollout_ref.actor.ppo_epochs": Alias("actor.ppo_epochs"),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": Alias("actor.max_tokens_per_microbatch"),
-    "actor_rollout_ref.actor.use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Alias(None, _true(_PACKED), _PACKED),
+    "actor_rollout_ref.actor.use_dynamic_bsz": Alias(None, _is(True, _PACKED), _PACKED),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Alias(None, _is(True, _PACKED), _PACKED),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Alias(None, _is(True, _PACKED), _PACKED),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": Alias(None, note=_TOKEN_MICRO),
     "actor_rollout_ref.actor.ppo_micro_batch_size": Alias(None, note=_TOKEN_MICRO),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Alias(None, note=_TOKEN_MICRO),
@@ -182,7 +167,7 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.checkpoint.load_contents": Alias(
         None, note="a checkpoint always holds the model, the optimizer, the RNG and the data position"),
     "actor_rollout_ref.hybrid_engine": Alias(
-        None, _true("the actor and the rollout always share one set of weights: rollout.mode=colocate shares the "
+        None, _is(True, "the actor and the rollout always share one set of weights: rollout.mode=colocate shares the "
                     "GPUs too, disaggregate runs the servers on GPUs of their own"),
         "true only: rollout.mode picks colocated or disaggregated servers"),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Alias(
@@ -261,9 +246,9 @@ ALIASES: dict[str, Alias] = {
     "trainer.log_val_generations": Alias(None, note="validation responses go to trainer.rollout_data_dir"),
     "trainer.max_actor_ckpt_to_keep": Alias("trainer.max_ckpt_to_keep"),
     "trainer.max_critic_ckpt_to_keep": Alias(None, note="the critic's state is in the same checkpoint"),
-    "trainer.default_hdfs_dir": Alias(None, _none("no HDFS copy here: checkpoints stay in trainer.default_local_dir"),
+    "trainer.default_hdfs_dir": Alias(None, _is(None, "no HDFS copy here: checkpoints stay in trainer.default_local_dir"),
                                       "null only: checkpoints stay in trainer.default_local_dir"),
-    "trainer.val_only": Alias(None, _false("validation alone is `python -m megatron_dapo.eval` (make eval) on a "
+    "trainer.val_only": Alias(None, _is(False, "validation alone is `python -m megatron_dapo.eval` (make eval) on a "
                                            "checkpoint"), "false only: make eval validates a checkpoint"),
     "trainer.resume_from_path": Alias("trainer.resume_mode", _resume_path,
                                       "a checkpoint path is trainer.resume_mode=<path>; null has no effect",
