@@ -43,7 +43,19 @@ from types import SimpleNamespace
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_rank0 import EOS, FULL_ROWS, WORLD, N, _count_wire, prompt_ids, row_lengths  # noqa: E402
+from benchmarks.bench_rank0 import (  # noqa: E402
+    EOS,
+    FULL_ROWS,
+    WORLD,
+    N,
+    _count_wire,
+    check_sizes,
+    extrapolate,
+    extrapolate_phases,
+    prompt_ids,
+    row_lengths,
+    size_arguments,
+)
 
 CLAIM = 64
 PHASES = ("rank0_batch", "train_batch")
@@ -220,24 +232,15 @@ def _run(rows: int, args) -> dict:
             "wire_bytes_rank0": ranks[0]["wire_bytes"]}
 
 
-def _extrapolate(a: dict, b: dict, key: str) -> float:
-    slope = (b[key] - a[key]) / (b["rows"] - a["rows"])
-    return round(a[key] + slope * (FULL_ROWS - a["rows"]), 2)
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         out, rows, mean_len, sigma, max_len = sys.argv[2:7]
         _worker(out, int(rows), SimpleNamespace(mean_len=int(mean_len), sigma=float(sigma), max_len=int(max_len)))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs=2, default=[1536, 3072], help="two generated sizes (multiples of 16)")
-    p.add_argument("--mean-len", type=int, default=6000)
-    p.add_argument("--sigma", type=float, default=0.8)
-    p.add_argument("--max-len", type=int, default=20480)
+    size_arguments(p, [1536, 3072], "two generated sizes (multiples of 16)")
     args = p.parse_args()
-    if any(r % N or r < 6 * N for r in args.rows) or args.rows[0] == args.rows[1]:
-        p.error(f"--rows: two different sizes, multiples of {N} and at least {6 * N}")
+    check_sizes(p, args.rows)
     figures = []
     for rows in args.rows:
         f = _run(rows, args)
@@ -247,10 +250,9 @@ def main() -> None:
               f"(scored there: {f['scored_in_producer']}); peak rank 0 {f['rank0_peak_gib']} GiB, others "
               f"{f['other_rank_peak_gib']} GiB; wire rank 0 {f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
     a, b = figures
-    full = {k: _extrapolate(a, b, k) for k in ("serial_s_per_update", "rank0_peak_gib", "other_rank_peak_gib",
+    full = {k: extrapolate(a, b, k) for k in ("serial_s_per_update", "rank0_peak_gib", "other_rank_peak_gib",
                                                "reward_s_in_producers")}
-    phases = {name: round(a["phases_s"][name] + (b["phases_s"][name] - a["phases_s"][name]) / (b["rows"] - a["rows"])
-                          * (FULL_ROWS - a["rows"]), 2) for name in PHASES}
+    phases = extrapolate_phases(a, b, PHASES)
     print(f"extrapolated to {FULL_ROWS} generated rows: {full}, phases {phases}")
     print(json.dumps({"trainer": "queue", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,
                       "max_len": args.max_len, **full, "phases_s": phases,

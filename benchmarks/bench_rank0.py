@@ -426,10 +426,29 @@ def _run(rows: int, args) -> dict:
             "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
 
 
-def _extrapolate(a: dict, b: dict, key: str) -> float:
+def extrapolate(a: dict, b: dict, key: str) -> float:
     """The value at FULL_ROWS of the line through the two measured sizes."""
     slope = (b[key] - a[key]) / (b["rows"] - a["rows"])
     return round(a[key] + slope * (FULL_ROWS - a["rows"]), 2)
+
+
+def extrapolate_phases(a: dict, b: dict, names) -> dict[str, float]:
+    """extrapolate() of each phase's seconds."""
+    return {name: extrapolate({"rows": a["rows"], name: a["phases_s"][name]},
+                              {"rows": b["rows"], name: b["phases_s"][name]}, name) for name in names}
+
+
+def size_arguments(p: argparse.ArgumentParser, default_rows: list[int], rows_help: str) -> None:
+    """The two measured sizes and the length distribution (both rank-0 benchmarks)."""
+    p.add_argument("--rows", type=int, nargs=2, default=default_rows, help=rows_help)
+    p.add_argument("--mean-len", type=int, default=6000)
+    p.add_argument("--sigma", type=float, default=0.8)
+    p.add_argument("--max-len", type=int, default=20480)
+
+
+def check_sizes(p: argparse.ArgumentParser, rows: list[int], why: str = "") -> None:
+    if any(r % N or r < 6 * N for r in rows) or rows[0] == rows[1]:
+        p.error(f"--rows: two different sizes, multiples of {N} and at least {6 * N}{why}")
 
 
 def main() -> None:
@@ -441,15 +460,11 @@ def main() -> None:
         _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs=2, default=[768, 1536], help="two sizes (multiples of 16)")
-    p.add_argument("--mean-len", type=int, default=6000)
-    p.add_argument("--sigma", type=float, default=0.8)
-    p.add_argument("--max-len", type=int, default=20480)
+    size_arguments(p, [768, 1536], "two sizes (multiples of 16)")
     p.add_argument("--window-s-full", type=float, default=1200.0,
                    help="generation seconds of the full 24,576-row batch (scaled by rows)")
     args = p.parse_args()
-    if any(r % N or r < 6 * N for r in args.rows) or args.rows[0] == args.rows[1]:
-        p.error(f"--rows: two different sizes, multiples of {N} and at least {6 * N} (a third of the groups is trained)")
+    check_sizes(p, args.rows, " (a third of the groups is trained)")
     figures = []
     for rows in args.rows:
         f = _run(rows, args)
@@ -461,14 +476,13 @@ def main() -> None:
               f"{f['planned_other_gib']}; replies held at once {f['replies_held_max']}); wire rank 0 "
               f"{f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
     a, b = figures
-    full = {k: _extrapolate(a, b, k) for k in ("serial_s_after_last_reply", "gil_s_in_trainer", "rank0_peak_gib",
+    full = {k: extrapolate(a, b, k) for k in ("serial_s_after_last_reply", "gil_s_in_trainer", "rank0_peak_gib",
                                                "other_rank_peak_gib", "score_local_s")}
     # Each rank decodes and scores rows / world rows: at the recipe's 128 ranks that share is 4 / 128 of this
     # run's; every other phase is rank 0's work or a collective over all rows, kept as measured.
     full["serial_s_at_128_ranks"] = round(full["serial_s_after_last_reply"]
                                           - full["score_local_s"] * (1 - WORLD / RECIPE_WORLD), 2)
-    phases = {name: round(a["phases_s"][name] + (b["phases_s"][name] - a["phases_s"][name]) / (b["rows"] - a["rows"])
-                          * (FULL_ROWS - a["rows"]), 2) for name in PHASES}
+    phases = extrapolate_phases(a, b, PHASES)
     print(f"extrapolated to {FULL_ROWS} rows: {full}, phases {phases}")
     print(json.dumps({"trainer": "sync", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,
                       "max_len": args.max_len, **full, "phases_s": phases, "extrapolated_from": [f["rows"] for f in figures],
