@@ -134,7 +134,7 @@ def evaluate(args) -> dict[str, float]:
     if args.reward != "auto":
         score_fn = get_reward_fn(args.reward)
     elif run is not None and (run.reward.custom_function.path or run.reward.function != "auto"):
-        from megatron_dapo.trainer.run import build_score_fn
+        from megatron_dapo.rewards.build import build_score_fn
 
         score_fn = build_score_fn(run)  # the run's own reward (a custom function included)
     else:

@@ -102,7 +102,7 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
         problems.append(("model", f"{where}: {e}"))
 
     try:
-        from megatron_dapo.trainer.run import build_score_fn
+        from megatron_dapo.rewards.build import build_score_fn
 
         build_score_fn(cfg)
         done.append("reward")

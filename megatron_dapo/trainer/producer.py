@@ -365,7 +365,7 @@ def producer_main(cfg, queue: TransferQueue, producer_id: int, weights_dir: str,
     for var in _DIST_ENV:
         os.environ.pop(var, None)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer{producer_id} %(levelname)s %(message)s")
-    from megatron_dapo.trainer.run import build_reward_manager
+    from megatron_dapo.rewards.build import build_reward_manager
 
     engine, tokenizer = build_producer_engine(cfg)
     store = WeightStore(weights_dir)

@@ -386,7 +386,7 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
         num, claim_size = producer_layout(self.cfg.queue, gen_batch=self.gbs, on_servers=self.on_servers)
         if not self.sync_mode and self.on_servers:
-            from megatron_dapo.trainer.run import build_reward_manager
+            from megatron_dapo.rewards.build import build_reward_manager
 
             self._producer_rewards = build_reward_manager(self.cfg)
             self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling, num=num,

@@ -10,7 +10,7 @@ import pytest
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.rewards import RewardError, RewardManager
 from megatron_dapo.rewards.custom import CustomRewardError, CustomRewardFn
-from megatron_dapo.trainer.run import build_reward_manager
+from megatron_dapo.rewards.build import build_reward_manager
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.rewards import RewardManager, get_reward_fn, make_reward_fn, math_dapo, math_verify
-from megatron_dapo.trainer.run import build_reward_manager
+from megatron_dapo.rewards.build import build_reward_manager
 
 RESPONSES = ["Answer: 42", "So \\boxed{42}", "Answer: $\\dfrac{1}{2}$", "The answer is $\\boxed{0.5}$"]
 TRUTHS = ["42", "42", "\\frac{1}{2}", "\\frac{1}{2}"]
