@@ -146,7 +146,7 @@ def run_ours(overrides: list[str], *, steps: int, warmup: int, threads: int, out
     from megatron_dapo.parallel import destroy_parallel
     from megatron_dapo.trainer.fit import DAPOTrainer
     from megatron_dapo.trainer.run import build_parts
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     torch.set_num_threads(threads)
     total = warmup + steps

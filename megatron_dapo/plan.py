@@ -359,7 +359,7 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
                      overhead_gib: float = 4.0, backend: str = "te") -> MemoryPlan:
     """The plan of a resolved Config (every field the plan reads is passed by keyword here).
 
-    arch: the model the trainer built (`workers.model_arch.model_arch`); None resolves it the same way,
+    arch: the model the trainer built (`models.config_arch.model_arch`); None resolves it the same way,
     with the tokenizer's vocabulary for the tiny presets. backend: the layer spec the GPUs run ("te"
     with Transformer Engine), which sets the fusions the model.* keys leave at null.
     """
@@ -367,7 +367,7 @@ def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: floa
 
     if arch is None:
         from megatron_dapo.data.tokenizer import load_tokenizer
-        from megatron_dapo.workers.model_arch import model_arch
+        from megatron_dapo.models.config_arch import model_arch
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size if cfg.model.arch in ("tiny", "tiny_moe") else 0
         arch = model_arch(cfg, vocab_size=vocab)
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_host(host))
     if cfg.rollout.engine == "sglang":
         from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
-        from megatron_dapo.workers.model_arch import model_arch
+        from megatron_dapo.models.config_arch import model_arch
 
         print(format_weight_sync(plan_weight_sync_from_config(cfg, arch=model_arch(cfg, vocab_size=0))))
     try:

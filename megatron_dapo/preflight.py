@@ -76,7 +76,7 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
     arch = None
     try:
         from megatron_dapo.models.arch import check_layout
-        from megatron_dapo.workers.model_arch import model_arch
+        from megatron_dapo.models.config_arch import model_arch
 
         arch = model_arch(cfg, vocab_size=tokenizer.vocab_size if tokenizer is not None else 0)
         p = cfg.parallel

@@ -162,7 +162,7 @@ _RemoteEngineActor = ray.remote(EngineActor)
 class LocalEngineFactory:
     """Builds a LocalEngine on its own freshly built Megatron model, inside the engine's process.
 
-    arch: the model (models.arch.ModelArch, e.g. workers.model_arch.model_arch(cfg, vocab_size=V)).
+    arch: the model (models.arch.ModelArch, e.g. models.config_arch.model_arch(cfg, vocab_size=V)).
     seed: initial weights (engines with the same seed start identical; update_weights replaces
     them anyway). The process gets a world of one (parallel.init_parallel()).
     """

@@ -104,7 +104,7 @@ def routing_layout(cfg: Config):
     if cfg.actor.router_replay != "r3":
         return None
     from megatron_dapo.rollout.sglang.routing import RoutingLayout
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     arch = model_arch(cfg, vocab_size=0)
     return RoutingLayout(num_layers=arch.num_layers, top_k=arch.moe_router_topk, num_experts=arch.num_moe_experts)
@@ -158,7 +158,7 @@ def planned_kv_tokens(cfg: Config, *, gpu_memory_gib: float | None, vocab_size: 
             or not gpu_memory_gib):
         return None
     from megatron_dapo.plan import plan_from_config
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     plan = plan_from_config(cfg, arch=model_arch(cfg, vocab_size=vocab_size), gpu_memory_gib=gpu_memory_gib)
     log.info("colocated SGLang KV pool: %d tokens per server (planned beside the trainer's steady state of "
@@ -243,7 +243,7 @@ def _drafter(cfg: Config, *, vocab_size: int, version: str | None = None, transp
     from megatron_dapo.models.hf import hf_model_type
     from megatron_dapo.rollout.sglang.drafter import drafter_sync
     from megatron_dapo.rollout.sglang.versions import features_for
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     arch, algorithm = model_arch(cfg, vocab_size=vocab_size), cfg.rollout.speculative.algorithm
     return drafter_sync(algorithm=algorithm, arch=arch, model_type=hf_model_type(arch) if algorithm else "",
@@ -339,7 +339,7 @@ def _sglang_push(cfg: Config, parts):
     from megatron_dapo.models.forward import unwrap_model
     from megatron_dapo.rollout.sglang.sync import MIB, SGLangWeightSync, WeightSyncError
     from megatron_dapo.workers.memory import free_for_rollout
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     r, pgs, engine = cfg.rollout, parts.pgs, parts.engine
     transport = weight_transport(cfg, pgs)
@@ -451,7 +451,7 @@ def build_parts(cfg: Config):
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if pgs.device.type == "cuda":  # refuse a layout that cannot fit before building anything
         from megatron_dapo.plan import check_fits, format_plan, plan_from_config
-        from megatron_dapo.workers.model_arch import model_arch
+        from megatron_dapo.models.config_arch import model_arch
 
         gib = torch.cuda.get_device_properties(pgs.device).total_memory / 2**30
         from megatron_dapo.models.builder import default_backend

@@ -79,7 +79,7 @@ def test_the_actor_applies_the_model_keys(tmp_path):
     config, and an impossible one stops the build naming the key."""
     from megatron_dapo.parallel import init_parallel
     from megatron_dapo.workers.build import build_model_chunks
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     pgs = init_parallel(backend="gloo")
     for overrides, expected in (([], dict.fromkeys(FUSIONS, False)),

@@ -234,7 +234,7 @@ def test_a_sync_into_paused_generation_keeps_the_cache_but_still_sets_the_versio
     from megatron_dapo.parallel import init_parallel
     from megatron_dapo.rollout.sglang.sync import ServerSet, SGLangWeightSync
     from megatron_dapo.trainer.run import _session_hook
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     pgs = init_parallel()
     arch = model_arch(load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")), vocab_size=16)

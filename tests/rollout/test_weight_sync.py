@@ -36,7 +36,7 @@ def pgs():
 
 def build_engine_model(pgs, seed: int):
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.workers.model_arch import model_arch
+    from megatron_dapo.models.config_arch import model_arch
 
     return build_gpt_model(model_arch(cfg(), vocab_size=VOCAB), pgs=pgs, seed=seed)
 
