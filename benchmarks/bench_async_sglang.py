@@ -55,8 +55,8 @@ CONFIGS = (("sync", []),
 def launch(model_dir: str, tokenizer_dir: str, log_dir: pathlib.Path):
     """Two CPU servers without radix cache through the trainer's own launch path; (servers, seconds)."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import sglang_launch_plan
 
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [
         *model_overrides(model_dir, tokenizer_dir), *cpu_server_overrides(), *SHAPE, "trainer.n_gpus_per_node=2",

@@ -49,8 +49,8 @@ SHAPE = ["rollout.engine=sglang", "rollout.mode=disaggregate", "rollout.require_
 def launch(model_dir: str, tokenizer_dir: str, log_dir: pathlib.Path):
     """Two CPU servers through the trainer's own launch path; returns (servers, seconds to start)."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import sglang_launch_plan
 
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [
         *model_overrides(model_dir, tokenizer_dir), *cpu_server_overrides(), *SHAPE, "trainer.n_gpus_per_node=2",

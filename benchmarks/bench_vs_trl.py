@@ -141,12 +141,12 @@ def run_ours(overrides: list[str], *, steps: int, warmup: int, threads: int, out
     """Run DAPOTrainer for warmup + steps steps; return the figures and the TRL side's spec."""
     from megatron_dapo.config import load_config
     from megatron_dapo.data.tokenizer import CharTokenizer
+    from megatron_dapo.models.config_arch import model_arch
     from megatron_dapo.models.forward import logits_forward, unwrap_model
     from megatron_dapo.models.hf import save_mcore_as_hf
     from megatron_dapo.parallel import destroy_parallel
     from megatron_dapo.trainer.fit import DAPOTrainer
     from megatron_dapo.trainer.run import build_parts
-    from megatron_dapo.models.config_arch import model_arch
 
     torch.set_num_threads(threads)
     total = warmup + steps

@@ -33,9 +33,9 @@ def main() -> None:
 
     from megatron_dapo.config import load_config
     from megatron_dapo.rollout.base import PromptInput, SamplingParams
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.payloads import build_generate_payload
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import sglang_launch_plan
     from tests.sglang_real.conftest import cpu_server_overrides, free_port_pair, model_overrides
     from tests.sglang_real.model import write_tiny_qwen3_moe
 

@@ -189,8 +189,8 @@ def load_trainer_checkpoint(path: str, *, config_path: str | None = None, backen
     from megatron_dapo.config import load_config
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.parallel import init_parallel
     from megatron_dapo.models.config_arch import model_arch
+    from megatron_dapo.parallel import init_parallel
 
     step = resolve_step_dir(path)
     if not os.path.isdir(os.path.join(step, "model")):

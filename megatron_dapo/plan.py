@@ -525,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     host = plan_host(cfg, memory_plan=plan, response_tokens=args.mean_response_tokens)
     print(format_host(host))
     if cfg.rollout.engine == "sglang":
-        from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
         from megatron_dapo.models.config_arch import model_arch
+        from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
 
         print(format_weight_sync(plan_weight_sync_from_config(cfg, arch=model_arch(cfg, vocab_size=0))))
     try:

@@ -121,7 +121,7 @@ class DAPOTrainer:
         self.first_val: tuple[int, dict[str, float]] | None = None  # (step, metrics) of this process's first validation
         self.old_from_update = old_log_prob_from_update(cfg, self.rc, parts.actor)
         # The planner's peak = max(training, rollout) holds only if colocated servers release their memory
-        # between generation and the update; the weight sync (trainer/run.py) takes it back.
+        # between generation and the update; the weight push (rollout/sglang/build.py) takes it back.
         self.colocated_servers = cfg.rollout.engine == "sglang" and cfg.rollout.mode == "colocate"
 
     # ---------------------------------------------------------------------------------------------

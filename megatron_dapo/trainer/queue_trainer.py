@@ -148,7 +148,7 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
 
     def _check_no_radix_cache(self) -> None:
         """Pushes into running generation keep the servers' cache (not flushed): a radix cache would then
-        serve prompt prefixes computed by older weights to new requests (trainer/run.py inplace_pushes)."""
+        serve prompt prefixes computed by older weights to new requests (rollout/sglang/build.py inplace_pushes)."""
         cached = [url for url, off in self.driven.server_arg("disable_radix_cache").items() if off is not True]
         if cached:
             raise ConfigError("queue.partial_rollout", f"the SGLang servers {cached} run with a radix cache; weight "

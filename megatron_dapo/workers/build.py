@@ -11,9 +11,9 @@ import torch
 from megatron_dapo.algos.policy_loss import get_policy_loss_fn
 from megatron_dapo.config import Config, ConfigError
 from megatron_dapo.models.arch import ModelArch
+from megatron_dapo.models.config_arch import model_arch
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.workers.actor import Actor, PolicyModel
-from megatron_dapo.models.config_arch import model_arch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

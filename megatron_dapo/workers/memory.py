@@ -1,7 +1,7 @@
 """The trainer's GPU memory around colocated rollout: what every rank gives back before the SGLang servers
 on its GPU take their memory again, and takes back before the update.
 
-Per step, colocated (trainer/fit.py, trainer/run.py's weight push):
+Per step, colocated (trainer/fit.py, the SGLang weight push in rollout/sglang/build.py):
 
     generation -> servers release weights + KV cache -> reclaim_for_training -> update
     -> free_for_rollout -> servers resume weights -> weight sync -> servers resume KV cache

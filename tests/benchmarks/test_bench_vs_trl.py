@@ -24,8 +24,8 @@ def test_linear_params_count_every_matmul_weight_of_the_benchmark_model(workload
     Megatron model the bench trains, embedding excluded (a lookup, no FLOPs)."""
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.parallel import init_parallel
     from megatron_dapo.models.config_arch import model_arch
+    from megatron_dapo.parallel import init_parallel
 
     bench = _bench()
     cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), bench.WORKLOADS[workload])

@@ -77,9 +77,9 @@ def test_te_values_reach_the_transformer_config():
 def test_the_actor_applies_the_model_keys(tmp_path):
     """Through workers/build.py on CPU (the local spec): defaults off, a key set to true reaches every chunk's
     config, and an impossible one stops the build naming the key."""
+    from megatron_dapo.models.config_arch import model_arch
     from megatron_dapo.parallel import init_parallel
     from megatron_dapo.workers.build import build_model_chunks
-    from megatron_dapo.models.config_arch import model_arch
 
     pgs = init_parallel(backend="gloo")
     for overrides, expected in (([], dict.fromkeys(FUSIONS, False)),

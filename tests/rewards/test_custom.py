@@ -9,8 +9,8 @@ import pytest
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.rewards import RewardError, RewardManager
-from megatron_dapo.rewards.custom import CustomRewardError, CustomRewardFn
 from megatron_dapo.rewards.build import build_reward_manager
+from megatron_dapo.rewards.custom import CustomRewardError, CustomRewardFn
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -270,8 +270,8 @@ def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_
     import pathlib
 
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang import build as sglang_build
     from megatron_dapo.rollout.sglang import server as sglang_server
-    from megatron_dapo.trainer import run as run_mod
 
     root = pathlib.Path(__file__).resolve().parents[2]
     launched = []
@@ -282,7 +282,7 @@ def test_the_trainer_launches_servers_with_the_context_length_and_deterministic_
         cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
             "rollout.engine=sglang", "model.hf_path=/models/tiny", f"rollout.deterministic_inference={det}",
             "data.max_prompt_length=40", "data.max_response_length=24", f"trainer.output_dir={tmp_path}"])
-        run_mod._launch_sglang(cfg)
+        sglang_build.launch_sglang(cfg)
         assert launched and all(s.deterministic_inference is det and s.context_length == 66 for s in launched)
         cmd = build_launch_command(launched[0])
         assert cmd[cmd.index("--context-length") + 1] == "66"  # 40 + 24 + the 2 SGLang keeps back
@@ -294,8 +294,8 @@ def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tm
     import types
 
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang import build as sglang_build
     from megatron_dapo.rollout.sglang import engine as sglang_engine
-    from megatron_dapo.trainer import run as run_mod
 
     root = pathlib.Path(__file__).resolve().parents[2]
     made = []
@@ -312,7 +312,7 @@ def test_the_trainer_engine_insists_on_seeded_servers_when_asked(monkeypatch, tm
         cfg = load_config(str(root / "configs/tiny_cpu.yaml"), [
             "rollout.engine=sglang", "rollout.sglang_urls=[http://127.0.0.1:1]",
             f"rollout.deterministic_inference={det}", f"trainer.output_dir={tmp_path}"])
-        run_mod._sglang_engine(cfg, types.SimpleNamespace(rank=0, world_size=1, ctrl=None))
+        sglang_build.build_engine(cfg, types.SimpleNamespace(rank=0, world_size=1, ctrl=None), vocab_size=64)
         assert made[-1]["require_deterministic"] is det
 
 

@@ -231,10 +231,10 @@ def test_a_sync_into_paused_generation_keeps_the_cache_but_still_sets_the_versio
     A tiny model over a weight-update group (gloo) to the stand-in, inside a 0.5.23 weight-update session."""
     from megatron_dapo.config import load_config
     from megatron_dapo.models.builder import build_gpt_model
-    from megatron_dapo.parallel import init_parallel
-    from megatron_dapo.rollout.sglang.sync import ServerSet, SGLangWeightSync
-    from megatron_dapo.trainer.run import _session_hook
     from megatron_dapo.models.config_arch import model_arch
+    from megatron_dapo.parallel import init_parallel
+    from megatron_dapo.rollout.sglang.build import session_hook as _session_hook
+    from megatron_dapo.rollout.sglang.sync import ServerSet, SGLangWeightSync
 
     pgs = init_parallel()
     arch = model_arch(load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml")), vocab_size=16)

@@ -3,7 +3,7 @@ by the whole test session.
 
 The servers are real `sglang.launch_server` processes (SGLang 0.5.23 from PyPI, in the venv that
 `make sglang-env` builds; tests/sglang_env holds the shims it needs on a CPU machine), started
-through the trainer's own launch path (`trainer.run.sglang_launch_plan` -> `build_launch_command` ->
+through the trainer's own launch path (`rollout.sglang.build.sglang_launch_plan` -> `build_launch_command` ->
 `launch_servers`), with the CPU settings given as configuration (CPU_SERVER). They serve the model in
 fp32, so that their log-probs and greedy tokens can be compared with the fp32 actor's tightly.
 Server 0 runs with --context-length (data.max_prompt_length + data.max_response_length + 2, as the
@@ -121,8 +121,8 @@ class RealServers:
 def real_servers(tiny_qwen2, tmp_path_factory):
     """Two real SGLang servers (TP 1, fp32) for the session; stopped at its end with nothing left behind."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import sglang_launch_plan
 
     model_dir, tokenizer_dir = tiny_qwen2
     log_dir = tmp_path_factory.mktemp("sglang_logs")

@@ -118,7 +118,7 @@ def test_colocated_mode_refuses_servers_without_the_memory_saver_unless_the_conf
     """The server reports --enable-memory-saver in /server_info; colocated servers without it would keep
     their memory while the actor trains."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.run import _connect
+    from megatron_dapo.rollout.sglang.build import connect as _connect
 
     with pytest.raises(RolloutEngineError, match=r"rollout.mode=colocate but .* run without --enable-memory-saver.*"
                                                  r"rollout.require_memory_saver=false"):

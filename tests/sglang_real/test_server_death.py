@@ -142,8 +142,8 @@ def test_the_async_queue_trainer_loses_no_row_when_a_server_dies_mid_generation(
 def test_the_only_server_dying_stops_every_rank_with_all_servers_down_and_keeps_the_last_checkpoint(
         tiny_qwen2, tmp_path):
     from megatron_dapo.config import load_config
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import sglang_launch_plan
 
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [
         *_overrides(tiny_qwen2, tmp_path), "rollout.engine=sglang", f"rollout.server_base_port={free_port_pair()}",
@@ -181,9 +181,10 @@ def test_a_server_of_another_model_is_refused_at_connect_naming_both(real_server
     of each release, since one venv holds one SGLang.)"""
     from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.rollout.base import RolloutEngineError
+    from megatron_dapo.rollout.sglang.build import connect as _connect
+    from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import launch_servers
-    from megatron_dapo.trainer.run import _connect, sglang_launch_plan
     from tests.sglang_real.model import write_tiny_qwen3_moe
 
     moe_dir, moe_tok = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("other_model") / "model"))

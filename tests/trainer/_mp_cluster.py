@@ -19,10 +19,10 @@ import requests
 import torch.distributed as dist
 
 from megatron_dapo.config import load_config
+from megatron_dapo.models.config_arch import model_arch
 from megatron_dapo.models.forward import unwrap_model
 from megatron_dapo.models.hf import iter_hf_tensors
 from megatron_dapo.trainer.run import build_trainer, close_parts
-from megatron_dapo.models.config_arch import model_arch
 from tests.standin import tensor_checksum
 
 

@@ -7,7 +7,7 @@ import torch
 
 from megatron_dapo.config import load_config
 from megatron_dapo.plan import plan_from_config
-from megatron_dapo.trainer.run import sglang_launch_plan
+from megatron_dapo.rollout.sglang.build import sglang_launch_plan
 from megatron_dapo.workers import memory
 
 RECIPES = ("configs/dapo_qwen2.5_32b.yaml", "configs/dapo_qwen3_30b_a3b.yaml")
