@@ -129,6 +129,9 @@ DAPO_MATH ?=
 AIME ?=
 EVAL_MODEL ?=
 EVAL_DATA ?= data/aime-2024.parquet
+EVAL_ENGINE ?= sglang
+EVAL_SERVERS ?= 2
+EVAL_TP ?= 4
 
 train-dapo-32b:
 	RECIPE=configs/dapo_qwen2.5_32b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
@@ -149,11 +152,14 @@ data: install
 	@test -n "$(DAPO_MATH)$(AIME)" || { echo "usage: make data DAPO_MATH=path/to/dapo-math-17k.parquet AIME=path/to/aime-2024.parquet"; exit 2; }
 	$(BIN)/python -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data $(ARGS)
 
-# AIME 2024 avg@32 / pass@k of a checkpoint or HF directory (DAPO's sampling: T=1.0, top_p=0.7).
+# AIME 2024 avg@32 / pass@k of a checkpoint or HF directory (DAPO's sampling: T=1.0, top_p=0.7), through
+# EVAL_SERVERS SGLang servers of EVAL_TP GPUs each that the evaluator launches (a trainer checkpoint is
+# exported to HF first); EVAL_ENGINE=local generates in one process (small models).
 eval-aime: install
-	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...]"; exit 2; }
+	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...] [EVAL_TP=4 EVAL_SERVERS=2 | EVAL_ENGINE=local]"; exit 2; }
 	$(BIN)/python -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
-		--top-p 0.7 --max-tokens 20480 $(ARGS)
+		--top-p 0.7 --max-tokens 20480 --engine $(EVAL_ENGINE) \
+		$(if $(filter sglang,$(EVAL_ENGINE)),--servers $(EVAL_SERVERS) rollout.tensor_model_parallel_size=$(EVAL_TP)) $(ARGS)
 
 # The cluster image: NGC PyTorch + SGLang + this project (docker/Dockerfile). BASE_IMAGE and
 # SGLANG_VERSION must agree on torch's major.minor (the build checks it).

@@ -7,7 +7,8 @@ supervised warm-up included, as a new user's first `make train`), then reads the
 events back. Prints the processor, the fp32 GEMM rate at the model's training shapes and on a square
 1024 GEMM, the wall-clock minutes of the whole run and up to the end of the warm-up (start-up included), and mean@4 / pass@4 on the
 held-out problems at step 0 (after the warm-up) and at the last step. Ends with one JSON line.
-Extra `key=value` arguments go to the run (e.g. `trainer.seed=1`).
+Extra `key=value` arguments go to the run (e.g. `trainer.seed=1`). Also prints how many generation batches
+dynamic sampling needed per step (mean, max), against algorithm.filter_groups.max_num_gen_batches.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main(argv: list[str]) -> int:
         run_dir = glob.glob(os.path.join(out, "*", "tb"))[0].rsplit("/tb", 1)[0]
         mean = _scalars(run_dir, "val/arithmetic/acc/mean@4")
         best = _scalars(run_dir, "val/arithmetic/acc/pass@4")
+        gen_batches = [v for _, v in _scalars(run_dir, "train/num_gen_batches")]
     warm = re.search(r"supervised warm-up: (\{.*\})", log)
     warm_m = json.loads(warm.group(1).replace("'", '"')) if warm else {}
     stamps = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*supervised warm-up: ", log, re.M)
@@ -102,10 +104,15 @@ def main(argv: list[str]) -> int:
         "mean4_before": round(mean[0][1], 3) if mean else None, "mean4_after": round(mean[-1][1], 3) if mean else None,
         "pass4_before": round(best[0][1], 3) if best else None, "pass4_after": round(best[-1][1], 3) if best else None,
         "mean4_curve": [[s, round(v, 3)] for s, v in mean],
+        # dynamic sampling's generation batches per step: how close the run came to max_num_gen_batches
+        "gen_batches_max": int(max(gen_batches)) if gen_batches else None,
+        "gen_batches_mean": round(sum(gen_batches) / len(gen_batches), 2) if gen_batches else None,
+        "steps_over_5_gen_batches": sum(1 for g in gen_batches if g > 5),
     }
     print(f"run: {figures['minutes']} min (warm-up: {figures['warmup_steps']} steps, probe {figures['warmup_probe_acc']}); "
           f"held-out mean@4 {figures['mean4_before']} -> {figures['mean4_after']}, "
-          f"pass@4 {figures['pass4_before']} -> {figures['pass4_after']}")
+          f"pass@4 {figures['pass4_before']} -> {figures['pass4_after']}; generation batches per step: mean "
+          f"{figures['gen_batches_mean']}, max {figures['gen_batches_max']}")
     print(json.dumps(figures))
     return 0
 

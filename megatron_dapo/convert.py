@@ -13,8 +13,8 @@ the trainer's checkpoints.
   the model is built once at TP = PP = EP = 1 on CPU, dist_checkpointing reshards into it (only the
   model: the optimizer state is not read), and it is written through `models.hf.save_mcore_as_hf`.
   Memory: the model once in its params dtype (about 64 GB for a 32B model in bf16). The tokenizer
-  files of `data.tokenizer` (an HF directory) are copied next to the weights, so transformers,
-  SGLang and vLLM load the directory as it is.
+  files of `data.tokenizer` (an HF directory) are copied next to the weights, or the synthetic task's
+  character vocabulary is written as HF files, so transformers, SGLang and vLLM load the directory as it is.
 
 The mcore format stores unsharded tensors, so any parallel layout can load it
 (`models.weights.load_mcore_weights`); --tp/--pp/--ep are checked against the architecture (heads,
@@ -115,7 +115,7 @@ TRAINER_STATE = "trainer_state.pt"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 # The checkpoint is read at a world of one whatever layout wrote it.
-_SINGLE_PROCESS = ["trainer.resume_mode=disable", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
+SINGLE_PROCESS_OVERRIDES = ["trainer.resume_mode=disable", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
                    "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                    "parallel.expert_model_parallel_size=1", "parallel.expert_tensor_parallel_size=null",
                    "parallel.virtual_pipeline_model_parallel_size=null", "parallel.context_parallel_size=1",
@@ -195,7 +195,7 @@ def load_trainer_checkpoint(path: str, *, config_path: str | None = None, backen
     step = resolve_step_dir(path)
     if not os.path.isdir(os.path.join(step, "model")):
         raise FileNotFoundError(f"{step}: no model/ directory (Megatron dist checkpoint) inside")
-    cfg = load_config(config_path or find_run_config(step), [*_SINGLE_PROCESS, *(overrides or [])])
+    cfg = load_config(config_path or find_run_config(step), [*SINGLE_PROCESS_OVERRIDES, *(overrides or [])])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     arch = model_arch(cfg, vocab_size=tokenizer.vocab_size)
     pgs = init_parallel(backend=backend)
@@ -211,6 +211,7 @@ def trainer_checkpoint_to_hf(path: str, out_dir: str, *, config_path: str | None
                              dtype: torch.dtype | None = None, drop_mtp: bool = False) -> str:
     """Trainer checkpoint -> HF directory (safetensors, config.json, the run's tokenizer files).
     Returns the step directory that was exported."""
+    from megatron_dapo.data.tokenizer import BUILTIN_CHAR, CharTokenizer
     from megatron_dapo.models.hf import save_mcore_as_hf
 
     loaded = load_trainer_checkpoint(path, config_path=config_path)
@@ -222,6 +223,8 @@ def trainer_checkpoint_to_hf(path: str, out_dir: str, *, config_path: str | None
     os.makedirs(out_dir, exist_ok=True)
     save_mcore_as_hf(loaded.model, out_dir, pgs=loaded.pgs, arch=arch, hf_config=base, dtype=dtype,
                      drop_mtp=drop_mtp)
+    if cfg.data.tokenizer in ("", BUILTIN_CHAR):  # the synthetic task's own vocabulary, as HF files
+        CharTokenizer().save_pretrained(out_dir)
     for source in (cfg.data.tokenizer, cfg.model.hf_path):
         if source and os.path.isdir(source):
             for name in _TOKENIZER_FILES + ("generation_config.json",):

@@ -56,11 +56,11 @@ def check(cfg, *, gpu_memory_gib: float = 80.0) -> tuple[list[tuple[str, str]], 
             if path and not os.path.isfile(path):
                 problems.append((key, f"{path}: no such file"))
     if tokenizer is not None:
+        from megatron_dapo.data.build import build_datasets
         from megatron_dapo.data.dataset import DatasetError
-        from megatron_dapo.trainer.run import _datasets
 
         try:
-            train, val = _datasets(cfg, tokenizer)
+            train, val = build_datasets(cfg, tokenizer)
             done.append(f"data ({len(train)} training prompts" + (f", {len(val)} validation" if val else "") + ")")
         except (DatasetError, FileNotFoundError, ValueError) as e:
             problems.append(("data", str(e)))

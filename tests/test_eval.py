@@ -45,25 +45,67 @@ def test_eval_of_an_hf_checkpoint_on_the_arithmetic_set(tmp_path, capsys):
     assert 0.0 <= out["pass@1"] <= out["pass@2"] <= 1.0 and out["pass@1"] == pytest.approx(out["avg@2"])
 
 
-def test_eval_of_a_trainer_checkpoint(tmp_path, capsys):
+def test_eval_of_a_trainer_checkpoint_equals_the_runs_validation_at_that_step(tmp_path, capsys):
+    """Only --model: the run's own validation set (tiny_cpu's 256 held-out problems, not the 128 of the
+    standard split), sampling, lengths, reward and the seed its validation used at that step, so the figures
+    are the run's validation figures at that step, exactly (same machine, same process count)."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.run import build_trainer, close_parts
+
+    cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [
+        "trainer.total_training_steps=2", "trainer.sft_warmup_steps=0", "trainer.test_freq=2", "trainer.save_freq=2",
+        "trainer.logger=[]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ev",
+        "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8", "data.max_response_length=4", "reward.overlong_buffer.len=2",
+        "trainer.seed=7"])
+    trainer = build_trainer(cfg)
+    try:
+        val = trainer.fit()
+    finally:
+        close_parts(trainer.p)
+    capsys.readouterr()
+    assert main(["--model", str(tmp_path / "ev/ckpt")]) == 0
+    out = _last_json(capsys)
+    assert out["num_prompts"] == 256.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}
+    assert out["avg@4"] == val["val/arithmetic/acc/mean@4"] and out["pass@4"] == val["val/arithmetic/acc/pass@4"]
+    # Another seed samples other responses: the default seed above is what made the figures equal.
+    assert main(["--model", str(tmp_path / "ev/ckpt/global_step_2"), "--seed", "8", "--n", "4"]) == 0
+    assert _last_json(capsys)["avg@4"] != val["val/arithmetic/acc/mean@4"]
+    # Greedy on the standard synthetic split when asked for a model that did not train on it.
+    assert main(["--model", str(tmp_path / "ev/ckpt/global_step_2"), "--data", "arithmetic", "--n", "1",
+                 "--temperature", "0"]) == 0
+    out = _last_json(capsys)
+    assert out["num_prompts"] == 256.0 and out["avg@1"] == out["pass@1"]
+
+
+def test_the_export_of_the_embedded_default_carries_its_tokenizer(tmp_path):
+    """The synthetic task's character vocabulary is written as HF files next to the weights: transformers
+    loads the export's tokenizer with the trainer's ids, beside the Qwen2 config.json."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.convert import main as convert_main
+    from megatron_dapo.data.tokenizer import CharTokenizer, HFTokenizer
     from megatron_dapo.trainer.run import run
 
     cfg = load_config(str(ROOT / "configs/tiny_cpu.yaml"), [
-        "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.test_freq=0",
-        "trainer.logger=[]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ev",
-        "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "data.train_batch_size=8",
-        "actor.ppo_mini_batch_size=8",
+        "trainer.total_training_steps=1", "trainer.sft_warmup_steps=0", "trainer.test_freq=0", "trainer.logger=[]",
+        f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ex", "algorithm.filter_groups.enable=false",
+        "data.gen_batch_size=null", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
         "data.max_response_length=4", "reward.overlong_buffer.len=2"])
-    run(cfg)
-    capsys.readouterr()
-    assert main(["--model", str(tmp_path / "ev/ckpt/global_step_1"), "--data", "arithmetic", "--n", "1",
-                 "--max-tokens", "4", "--temperature", "0"]) == 0
-    out = _last_json(capsys)
-    assert out["num_prompts"] == 128.0 and out["avg@1"] == out["pass@1"]
-    # Only --model and --data: the run's own validation settings (tiny_cpu: val_kwargs.n 4, responses of at
-    # most data.max_response_length = 4 tokens), not the AIME defaults (20,480 tokens, more than this
-    # model's 1,024 positions).
-    assert main(["--model", str(tmp_path / "ev/ckpt"), "--data", "arithmetic"]) == 0
-    out = _last_json(capsys)
-    assert out["num_prompts"] == 128.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}
+    assert run(cfg) == 0
+    assert convert_main(["mcore-to-hf", "--mcore", str(tmp_path / "ex/ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    hf, char = HFTokenizer(str(tmp_path / "hf")), CharTokenizer()
+    assert (hf.vocab_size, hf.pad_id, hf.bos_id, hf.eos_id) == (18, 0, 1, 2)
+    for text in ("12+34=", " 7 - 8 = -1", char.CHARS):
+        assert hf.encode(text) == char.encode(text)
+        assert hf.decode(char.encode(text) + [char.eos_id]) == text
+
+
+def test_eval_errors_are_one_line(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eval error: --model ") and "neither an HF directory" in err[0]
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text("{}")
+    assert main(["--model", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip() == (f"eval error: --data is required for an HF directory "
+                                               f"({tmp_path / 'hf'}): a prompt file or `arithmetic`")

@@ -119,6 +119,19 @@ class CharTokenizer:
         return "".join(message["content"] for message in messages)
 
 
+    def save_pretrained(self, out_dir: str) -> None:
+        """This vocabulary as an HF tokenizer directory with the same ids, so an exported model of the
+        synthetic task is served (SGLang) and loaded (transformers, load_tokenizer) with its own tokenizer.
+        Written as a Qwen2 byte-level BPE without merges (one token per character; the space is byte-level
+        "\u0120"): transformers 5 loads the model type's tokenizer class beside an exported Qwen2
+        config.json whatever the files name, so the files are that class's own."""
+        from transformers import Qwen2Tokenizer
+
+        vocab = {("\u0120" if text == " " else text): i for i, text in enumerate(self._id_to_text)}
+        Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<pad>", pad_token="<pad>", bos_token="<bos>",
+                       eos_token="<eos>").save_pretrained(out_dir)
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (``local_files_only=True``).
 

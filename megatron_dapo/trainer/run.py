@@ -17,34 +17,6 @@ from megatron_dapo.trainer.schedule import schedule
 log = logging.getLogger("megatron_dapo")
 
 
-def _datasets(cfg: Config, tokenizer):
-    from megatron_dapo.data.arithmetic import make_arithmetic_dataset
-    from megatron_dapo.data.dataset import DatasetError, load_prompt_dataset
-
-    d = cfg.data
-    if d.task == "arithmetic":
-        a = d.arithmetic
-        kw = dict(seed=a.seed, min_digits=a.min_digits, max_digits=a.max_digits, operators=a.operators,
-                  tokenizer=tokenizer)
-        return (make_arithmetic_dataset("train", num_samples=a.num_train, **kw),
-                make_arithmetic_dataset("val", num_samples=a.num_val, **kw))
-    kw = dict(max_prompt_length=d.max_prompt_length, prompt_overflow=d.prompt_overflow, on_bad_row=d.on_bad_row,
-              apply_chat_template=d.apply_chat_template)
-    train = load_prompt_dataset(d.train_files, tokenizer, **kw)
-    val = load_prompt_dataset(d.val_files, tokenizer, uid_prefix="val", **kw) if d.val_files else None
-    for path, data in ((d.train_files, train), (d.val_files, val)):
-        if data is not None and data.stats["rows_filtered_too_long"]:
-            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length=%d tokens", path,
-                        data.stats["rows_filtered_too_long"], data.stats["rows_read"], d.max_prompt_length)
-    if len(train) < d.effective_gen_batch_size:
-        s = train.stats
-        raise DatasetError(f"{d.train_files}: {len(train)} usable prompts, fewer than one generation batch "
-                           f"({d.effective_gen_batch_size}): of {s['rows_read']} rows, {s['rows_filtered_too_long']} "
-                           f"are longer than data.max_prompt_length={d.max_prompt_length} tokens and "
-                           f"{s['rows_skipped_malformed']} are malformed")
-    return train, val
-
-
 def _engine(cfg: Config, actor, pgs, tokenizer):
     if cfg.rollout.engine == "local":
         from megatron_dapo.models.forward import unwrap_model
@@ -76,6 +48,7 @@ def weight_sync(cfg: Config, parts):
 def build_parts(cfg: Config):
     from megatron_dapo.algos.advantage import get_adv_estimator_fn
     from megatron_dapo.algos.kl import get_kl_controller
+    from megatron_dapo.data.build import build_datasets
     from megatron_dapo.data.sampler import ResumableSampler
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.metrics import MetricsLogger
@@ -104,7 +77,7 @@ def build_parts(cfg: Config):
                                 backend=default_backend(pgs.device))
         log.info("memory plan:\n%s", format_plan(plan))
         check_fits(plan)
-    train, val = _datasets(cfg, tokenizer)
+    train, val = build_datasets(cfg, tokenizer)
     length = schedule(cfg, prompts=len(train))
     if pgs.rank == 0:
         log.info("schedule: %s", length.describe())

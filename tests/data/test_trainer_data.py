@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from megatron_dapo.config import load_config
+from megatron_dapo.data.build import build_datasets
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.data.tokenizer import CharTokenizer
-from megatron_dapo.trainer.run import _datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def _cfg(train_file, *extra):
 def test_prompts_dropped_for_length_are_counted_in_a_warning(tmp_path, caplog):
     path = _write(tmp_path / "t.jsonl", num_short=100, num_long=4)
     with caplog.at_level(logging.WARNING, logger="megatron_dapo"):
-        train, val = _datasets(_cfg(path), CharTokenizer())
+        train, val = build_datasets(_cfg(path), CharTokenizer())
     assert len(train) == 100 and val is None
     assert f"{path}: dropped 4 of 104 prompts longer than data.max_prompt_length=16 tokens" in caplog.text
 
@@ -43,7 +43,7 @@ def test_too_few_prompts_left_for_a_generation_batch_gives_the_counts(tmp_path):
     path = _write(tmp_path / "t.jsonl", num_short=4, num_long=36)
     cfg = _cfg(path)
     with pytest.raises(DatasetError) as err:
-        _datasets(cfg, CharTokenizer())
+        build_datasets(cfg, CharTokenizer())
     assert str(err.value) == (
         f"{path}: 4 usable prompts, fewer than one generation batch ({cfg.data.effective_gen_batch_size}): of 40 "
         "rows, 36 are longer than data.max_prompt_length=16 tokens and 0 are malformed")

@@ -90,6 +90,14 @@ def test_cluster_targets_submit_the_sbatch_script_with_their_recipe(target, reci
     assert (REPO / recipe).is_file()
 
 
+def test_eval_target_evaluates_through_launched_sglang_servers_unless_told_local():
+    out = re.sub(r"\s*\\\n\s*", " ", _make_n("eval-aime", "EVAL_MODEL=runs/x/ckpt"))  # one line
+    assert ("-m megatron_dapo.eval --model runs/x/ckpt --data data/aime-2024.parquet --n 32 --temperature 1.0 "
+            "--top-p 0.7 --max-tokens 20480 --engine sglang --servers 2 rollout.tensor_model_parallel_size=4") in out
+    out = _make_n("eval-aime", "EVAL_MODEL=m", "EVAL_ENGINE=local", "EVAL_TP=8")
+    assert "--engine local" in out and "--servers" not in out and "tensor_model_parallel_size" not in out
+
+
 def test_data_target_runs_prepare_with_the_given_paths():
     out = _make_n("data", "DAPO_MATH=/d/dapo.parquet", "AIME=/d/aime.parquet")
     assert "-m megatron_dapo.data.prepare --dapo-math /d/dapo.parquet --aime /d/aime.parquet --out-dir data" in out
