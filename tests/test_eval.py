@@ -46,8 +46,8 @@ def test_eval_of_an_hf_checkpoint_on_the_arithmetic_set(tmp_path, capsys):
 
 
 def test_eval_of_a_trainer_checkpoint_equals_the_runs_validation_at_that_step(tmp_path, capsys):
-    """Only --model: the run's own validation set (tiny_cpu's 256 held-out problems, not the 128 of the
-    standard split), sampling, lengths, reward and the seed its validation used at that step, so the figures
+    """Only --model: the run's own validation set (its 64 held-out problems, not the 128 of the standard
+    split), sampling, lengths, reward and the seed its validation used at that step, so the figures
     are the run's validation figures at that step, exactly (same machine, same process count)."""
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.run import build_trainer, close_parts
@@ -57,25 +57,27 @@ def test_eval_of_a_trainer_checkpoint_equals_the_runs_validation_at_that_step(tm
         "trainer.logger=[]", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=ev",
         "algorithm.filter_groups.enable=false", "data.gen_batch_size=null", "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=8", "data.max_response_length=4", "reward.overlong_buffer.len=2",
-        "trainer.seed=7"])
+        "trainer.seed=7", "data.arithmetic.num_val=64", "trainer.val_before_train=false"])
     trainer = build_trainer(cfg)
     try:
         val = trainer.fit()
     finally:
         close_parts(trainer.p)
     capsys.readouterr()
-    assert main(["--model", str(tmp_path / "ev/ckpt")]) == 0
+    assert main(["--model", str(tmp_path / "ev/ckpt"), "--dump", str(tmp_path / "own.jsonl")]) == 0
     out = _last_json(capsys)
-    assert out["num_prompts"] == 256.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}
+    assert out["num_prompts"] == 64.0 and set(out) == {"avg@4", "num_prompts", "pass@1", "pass@2", "pass@4"}
     assert out["avg@4"] == val["val/arithmetic/acc/mean@4"] and out["pass@4"] == val["val/arithmetic/acc/pass@4"]
-    # Another seed samples other responses: the default seed above is what made the figures equal.
-    assert main(["--model", str(tmp_path / "ev/ckpt/global_step_2"), "--seed", "8", "--n", "4"]) == 0
-    assert _last_json(capsys)["avg@4"] != val["val/arithmetic/acc/mean@4"]
-    # Greedy on the standard synthetic split when asked for a model that did not train on it.
+    # Another seed samples other responses: the default seed above is the one the run's validation used.
+    assert main(["--model", str(tmp_path / "ev/ckpt/global_step_2"), "--seed", "8", "--dump",
+                 str(tmp_path / "other.jsonl")]) == 0
+    own, other = ([json.loads(line)["response"] for line in open(tmp_path / f)] for f in ("own.jsonl", "other.jsonl"))
+    assert len(own) == len(other) == 256 and own != other
+    # --data arithmetic for a run of the synthetic task is the run's split too.
     assert main(["--model", str(tmp_path / "ev/ckpt/global_step_2"), "--data", "arithmetic", "--n", "1",
                  "--temperature", "0"]) == 0
     out = _last_json(capsys)
-    assert out["num_prompts"] == 256.0 and out["avg@1"] == out["pass@1"]
+    assert out["num_prompts"] == 64.0 and out["avg@1"] == out["pass@1"]
 
 
 def test_the_export_of_the_embedded_default_carries_its_tokenizer(tmp_path):
