@@ -7,6 +7,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 CONFIG ?= configs/tiny_cpu.yaml
+# The Python of the targets that work on a run's model or data (eval-aime, data, tensorboard): the project's
+# venv, else a `python` that already has megatron_dapo (the cluster image: no CPU venv is made beside its CUDA
+# torch), else the venv that `make install` makes (tools/run_python.sh).
+HAVE_PY = $(shell bash tools/run_python.sh $(VENV))
+RUN_PY = $(or $(HAVE_PY),$(BIN)/python)
+RUN_DEPS = $(if $(HAVE_PY),,install)
 export PYTHONHASHSEED := 0
 
 .PHONY: install train test test-all lint bench bench-trl verl-env verl-assets liger-env sglang-env gpu-wheels clean train-dapo-32b \
@@ -145,19 +151,19 @@ train-dapo-32b-early:
 train-moe:
 	RECIPE=configs/dapo_qwen3_30b_a3b.yaml $(SUBMIT) $(SBATCH_SCRIPT) $(ARGS)
 
-tensorboard: install
-	$(BIN)/tensorboard --logdir $(TB_LOGDIR) --host 127.0.0.1 --port $(TB_PORT)
+tensorboard: $(RUN_DEPS)
+	$(RUN_PY) -m tensorboard.main --logdir $(TB_LOGDIR) --host 127.0.0.1 --port $(TB_PORT)
 
-data: install
+data: $(RUN_DEPS)
 	@test -n "$(DAPO_MATH)$(AIME)" || { echo "usage: make data DAPO_MATH=path/to/dapo-math-17k.parquet AIME=path/to/aime-2024.parquet"; exit 2; }
-	$(BIN)/python -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data $(ARGS)
+	$(RUN_PY) -m megatron_dapo.data.prepare $(if $(DAPO_MATH),--dapo-math $(DAPO_MATH)) $(if $(AIME),--aime $(AIME)) --out-dir data $(ARGS)
 
 # AIME 2024 avg@32 / pass@k of a checkpoint or HF directory (DAPO's sampling: T=1.0, top_p=0.7), through
 # EVAL_SERVERS SGLang servers of EVAL_TP GPUs each that the evaluator launches (a trainer checkpoint is
 # exported to HF first); EVAL_ENGINE=local generates in one process (small models).
-eval-aime: install
+eval-aime: $(RUN_DEPS)
 	@test -n "$(EVAL_MODEL)" || { echo "usage: make eval-aime EVAL_MODEL=path/to/hf-or-mcore-dir [EVAL_DATA=...] [EVAL_TP=4 EVAL_SERVERS=2 | EVAL_ENGINE=local]"; exit 2; }
-	$(BIN)/python -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
+	$(RUN_PY) -m megatron_dapo.eval --model $(EVAL_MODEL) --data $(EVAL_DATA) --n 32 --temperature 1.0 \
 		--top-p 0.7 --max-tokens 20480 --engine $(EVAL_ENGINE) \
 		$(if $(filter sglang,$(EVAL_ENGINE)),--servers $(EVAL_SERVERS) rollout.tensor_model_parallel_size=$(EVAL_TP)) $(ARGS)
 

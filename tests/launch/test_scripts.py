@@ -98,6 +98,24 @@ def test_eval_target_evaluates_through_launched_sglang_servers_unless_told_local
     assert "--engine local" in out and "--servers" not in out and "tensor_model_parallel_size" not in out
 
 
+def test_model_targets_use_an_installed_python_and_never_build_a_venv_beside_it(tmp_path):
+    """On the cluster image (megatron_dapo installed in its python, no .venv) eval-aime, data and tensorboard run
+    with that python instead of building a CPU venv; without either, the venv is built first."""
+    fake = tmp_path / "bin/python"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")  # answers the "has megatron_dapo" check
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    for target, args in (("eval-aime", ["EVAL_MODEL=m"]), ("data", ["AIME=a.parquet"]), ("tensorboard", [])):
+        out = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'none'}", *args],
+                             cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+        assert f"{fake} -m " in out and "-m venv" not in out and "pip install" not in out, (target, out)
+    out = subprocess.run(["make", "--no-print-directory", "-n", "eval-aime", "EVAL_MODEL=m",
+                          f"VENV={tmp_path / 'none'}"], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PATH": "/usr/bin:/bin"}).stdout
+    assert "-m venv" in out  # no installed python: the venv is made first
+
+
 def test_data_target_runs_prepare_with_the_given_paths():
     out = _make_n("data", "DAPO_MATH=/d/dapo.parquet", "AIME=/d/aime.parquet")
     assert "-m megatron_dapo.data.prepare --dapo-math /d/dapo.parquet --aime /d/aime.parquet --out-dir data" in out
