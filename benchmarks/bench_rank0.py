@@ -28,7 +28,7 @@ tokenizer, the project's character vocabulary, and scores them),
 - `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
   read, parse, row building; Python holds the GIL for nearly all of it);
 - peak resident memory above the start of the batch, per rank, beside the planner's figure for the same
-  data path (`plan_host.data_path`: this size, the mean length, no step tensors, 1 text byte a token);
+  data path (`plan.host.data_path`: this size, the mean length, no step tensors, 1 text byte a token);
 - bytes between ranks (tensors and pickled objects rank 0 sent or received).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]
@@ -401,7 +401,7 @@ def _run(rows: int, args) -> dict:
     finally:
         server.kill()
         server.wait()
-    from megatron_dapo.plan_host import data_path
+    from megatron_dapo.plan.host import data_path
 
     planned0, planned = data_path(rows=rows, n=N, train_rows=ranks[0]["train_rows"],
                                   response_tokens=args.mean_len, max_response_length=args.max_len,

@@ -212,7 +212,7 @@ def test_oversized_config_is_refused_naming_components_and_numbers():
 
 def test_every_plan_input_comes_from_its_config_field(monkeypatch):
     seen = {}
-    monkeypatch.setattr(plan_mod, "plan_memory", lambda arch, **kw: seen.update(kw) or "plan")
+    monkeypatch.setattr(plan_mod.memory, "plan_memory", lambda arch, **kw: seen.update(kw) or "plan")
     cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml",
                "actor.use_distributed_optimizer=false", "actor.use_kl_loss=true",
                "rollout.mode=disaggregate", "rollout.sglang_urls=[http://10.0.1.1:30000]",
@@ -363,7 +363,7 @@ def test_sequence_parallel_none_means_on_when_tp_above_one():
 def test_weight_sync_plan_for_the_32b_recipe_by_hand():
     """TP8 x PP2, bf16: each stage is half the model; its sender holds 1/8 of the TP-sharded tensors and the
     replicated norms, so it gathers the other 7/8; each TP peer sends its 1/8; every server TP rank gets all."""
-    from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync
+    from megatron_dapo.plan.weights import format_weight_sync, plan_weight_sync
 
     arch = get_arch("qwen2.5-32b")
     plan = plan_weight_sync(arch, tp=8, pp=2, dtype_bytes=2, transport="distributed", server_ranks=128)
@@ -397,7 +397,7 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
 
 
 def test_host_data_path_terms_by_hand():
-    from megatron_dapo.plan_host import REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
+    from megatron_dapo.plan.host import REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
 
     rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
@@ -408,7 +408,7 @@ def test_host_data_path_terms_by_hand():
 
 
 def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_naming_the_key():
-    from megatron_dapo.plan_host import check_host, plan_host
+    from megatron_dapo.plan.host import check_host, plan_host
 
     cfg = _cfg("configs/dapo_qwen2.5_32b.yaml")
     plan = plan_from_config(cfg, gpu_memory_gib=80)

@@ -602,7 +602,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 1
     """Training processes per node (GPUs, or CPU processes). [recipe: trainer.n_gpus_per_node]"""
     host_memory_gib_per_node: float = 1536.0
-    """Host RAM of a node, GiB: the planner (`python -m megatron_dapo.plan`, `--check`) refuses a layout whose rank 0's node would hold more (the sync trainer's data path per rank, plan_host.py). 1.5 TiB: a typical 8 x H800 node."""
+    """Host RAM of a node, GiB: the planner (`python -m megatron_dapo.plan`, `--check`) refuses a layout whose rank 0's node would hold more (the sync trainer's data path per rank, plan/host.py). 1.5 TiB: a typical 8 x H800 node."""
     seed: int = 42
     """Seed of model init and sampling."""
     balance_batch: bool = True

@@ -10,7 +10,7 @@ free_for_rollout: the optimizer state to host memory (actor.offload_optimizer), 
 only a reference cycle still holds) and torch.cuda.empty_cache(), so the allocator's cached blocks (the
 training peak: activations, the LM head's working memory, the gathered log-probs) go back to the driver
 before torch_memory_saver maps the servers' pages again. What stays is the trainer's steady state, which
-the servers' KV pool was planned against (plan.py; the launch caps the pool at that figure).
+the servers' KV pool was planned against (plan/memory.py; the launch caps the pool at that figure).
 
 reclaim_for_training: the optimizer state back onto the GPU (when offloaded).
 

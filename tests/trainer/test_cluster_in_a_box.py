@@ -128,9 +128,9 @@ def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(de
     # Two stage senders (ranks 0 and 2) between them send every tensor; ranks 1 and 3 only their TP shards.
     sent = [sum(s["tensors"] for s in per_rank) for per_rank in stats]
     assert sent[0] + sent[2] == 4 * n_tensors and sent[1] == sent[3] == 0, sent
-    # The bytes each rank moved are the planner's (megatron_dapo/plan_weights.py), exactly.
+    # The bytes each rank moved are the planner's (megatron_dapo/plan/weights.py), exactly.
     from megatron_dapo.models.hf import arch_from_hf
-    from megatron_dapo.plan_weights import plan_weight_sync
+    from megatron_dapo.plan.weights import plan_weight_sync
 
     plan = plan_weight_sync(arch_from_hf(hf_dir), tp=2, pp=2, dtype_bytes=4, transport="distributed", server_ranks=4)
     for stage, (sender, peer) in enumerate(((0, 1), (2, 3))):

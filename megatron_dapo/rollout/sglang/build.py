@@ -120,7 +120,7 @@ def _stopper(servers):
 
 def planned_kv_tokens(cfg: Config, *, gpu_memory_gib: float | None, vocab_size: int = 0) -> int | None:
     """--max-total-tokens of colocated GPU servers when rollout.server_max_total_tokens is null: the KV pool
-    the planner gives them beside the trainer's steady state (plan.py). SGLang sizes its pool from the
+    the planner gives them beside the trainer's steady state (plan/memory.py). SGLang sizes its pool from the
     memory free at launch, before the first optimizer step, which is more than stays free once training
     runs; the cap keeps the difference out of SGLang's runtime reserve. None: no cap (not colocated,
     CPU servers, a value given, or no GPU to plan for)."""

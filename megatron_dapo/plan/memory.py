@@ -90,13 +90,8 @@ import sys
 from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch, expert_id_dtype
-from megatron_dapo.plan_host import HostPlan, check_host, format_host, plan_host
-from megatron_dapo.plan_params import (  # noqa: F401 - re-exported: the planner's public names
-    RankParams,
-    count_shards,
-    layer_params,
-    layers_of_rank,
-)
+from megatron_dapo.plan.host import HostPlan, check_host, format_host, plan_host
+from megatron_dapo.plan.params import RankParams, count_shards
 
 GIB = 1024**3
 LM_HEAD_SCRATCH_BYTES = 256 << 20
@@ -404,7 +399,7 @@ def _g(x: float) -> str:
 
 def check_fits(plan: MemoryPlan, *, host: HostPlan | None = None) -> None:
     """Raise ValueError naming every component that does not fit, with its numbers (host: the host memory
-    plan of rank 0's node, plan_host.py, checked too when given)."""
+    plan of rank 0's node, plan/host.py, checked too when given)."""
     problems = []
     if host is not None and (problem := check_host(host)):
         problems.append(problem)
@@ -526,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_host(host))
     if cfg.rollout.engine == "sglang":
         from megatron_dapo.models.config_arch import model_arch
-        from megatron_dapo.plan_weights import format_weight_sync, plan_weight_sync_from_config
+        from megatron_dapo.plan.weights import format_weight_sync, plan_weight_sync_from_config
 
         print(format_weight_sync(plan_weight_sync_from_config(cfg, arch=model_arch(cfg, vocab_size=0))))
     try:
@@ -536,7 +531,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("fits")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dapo.models.arch import ModelArch
-from megatron_dapo.plan_params import count_shards
+from megatron_dapo.plan.params import count_shards
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
-"""Parameters per GPU of a parallel layout: the counting half of the memory planner (megatron_dapo/plan.py),
-shared with the weight-sync traffic plan (megatron_dapo/plan_weights.py). Closed forms per layer from the
-architecture; tested against Megatron's own parameter counts."""
+"""Parameters per GPU of a parallel layout: the counting half of the memory planner
+(megatron_dapo/plan/memory.py), shared with the weight-sync traffic plan (megatron_dapo/plan/weights.py).
+Closed forms per layer from the architecture; tested against Megatron's own parameter counts."""
 
 from __future__ import annotations
 

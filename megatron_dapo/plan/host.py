@@ -12,7 +12,7 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
   is taken from them (another copy): twice train rows x L x 12 B;
-- r3 routing when actor.router_replay = r3 (plan.py's figure).
+- r3 routing when actor.router_replay = r3 (memory.py's figure).
 every rank:
 - its rows: R / world x L x 12 B and their texts (rank 0 holds every row already);
 - the kept rows as they arrive (int32 ids + float32 log-probs, then int64 ids);
@@ -83,7 +83,7 @@ def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_r
 
 def plan_host(cfg, *, memory_plan=None, response_tokens: int | None = None,
               text_bytes_per_token: float = 4.0) -> HostPlan:
-    """The host plan of a resolved Config; memory_plan: plan.py's MemoryPlan (staging, offload, r3 figures)."""
+    """The host plan of a resolved Config; memory_plan: memory.py's MemoryPlan (staging, offload, r3 figures)."""
     d, r = cfg.data, cfg.rollout
     rows = d.effective_gen_batch_size * r.n
     train_rows = d.train_batch_size * r.n
