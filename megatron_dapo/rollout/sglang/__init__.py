@@ -1,7 +1,8 @@
 """The SGLang rollout engine, one module per concern; nothing here imports sglang (servers run in their
 own processes, spoken to over HTTP and a weight-update process group).
 
-- `engine`: the HTTP client (`SGLangEngine`, a `RolloutEngine`): generation, abort, memory, updates.
+- `engine`: the HTTP client (`SGLangEngine`, a `RolloutEngine`): its construction and generation requests.
+- `control`: the engine's control routes (`ServerControl`): connect, abort, pause, memory, health, updates.
 - `server`: the launch command, the server processes and their health wait.
 - `versions`: the supported releases and what differs between them (read from the wheels).
 - `payloads`: request and reply layouts of /generate and the control routes.

@@ -1,7 +1,7 @@
 """SGLang from a Config: the servers launched (or given), the connected engine rank 0 drives, and the
 per-step weight push into them. The one module the trainer's composition root (trainer/run.py) calls for
-rollout.engine=sglang; what each piece does lives in this package (server.py, engine.py, sync.py,
-drafter.py, autospec.py)."""
+rollout.engine=sglang; what each piece does lives in this package (server.py, engine.py, control.py,
+sync.py, drafter.py, autospec.py)."""
 
 from __future__ import annotations
 
