@@ -61,7 +61,7 @@ def main() -> None:
     from megatron_dapo.models.arch import get_arch
     from megatron_dapo.models.builder import build_gpt_model
     from megatron_dapo.parallel import destroy_parallel, init_parallel
-    from megatron_dapo.rollout import local_engine
+    from megatron_dapo.rollout import generation_attention, local_engine
     from megatron_dapo.rollout.base import PromptInput, SamplingParams
 
     pgs = init_parallel()
@@ -117,7 +117,7 @@ def main() -> None:
 
     # 3. The core attention alone on the step's cache lengths (every layer, every step).
     core = model.decoder.layers[0].self_attention.core_attention
-    attn = local_engine._SdpaCoreAttention(core)
+    attn = generation_attention._SdpaCoreAttention(core)
     heads, groups, hn = (core.num_attention_heads_per_partition, core.num_query_groups_per_partition,
                          core.hidden_size_per_attention_head)
     cache = [(torch.randn(P + new, rows, groups, hn), torch.randn(P + new, rows, groups, hn))

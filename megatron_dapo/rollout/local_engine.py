@@ -23,6 +23,7 @@ How a call runs:
    core attention is the local one (`_SdpaCoreAttention`), whose cache is one [S, b, ng, hn]
    (key, value) pair per layer. The keys are cached after their rotary embedding
    (`_RotatedKeyCache`), so a decode step rotates its own key only, not the whole cache again.
+   Both are swapped in for the generation only (rollout/generation_attention.py).
    Without the cache every step re-runs the whole sequence (the reference path, and the
    benchmark's baseline).
 3. Rows that finished keep being fed `pad_token_id` until their batch is done (their outputs are
@@ -34,18 +35,11 @@ How a call runs:
    lockstep, SPMD data parallelism) the callback runs on that group's rank 0 only and its answer is
    broadcast, so every rank stops at the same step; without it, any TP rank's stop stops all.
 
-Sampling (the pure function `sample_next_tokens`): logits in fp32 divided by the temperature, then
-the stop tokens (EOS and stop_token_ids) masked while a row has fewer than
-`SamplingParams.min_new_tokens` response tokens (SGLang's min_new_tokens penalty), then top-k, then
-top-p filtering, then one uniform draw per row turned into a token by inverse CDF.
-With `SamplingParams.seed` set, row (prompt_id, j) draws from its own generator seeded with
-`derive_sample_seed(seed, prompt_id, j)`, so a sample does not depend on batching or on the order
-of the prompts. Temperature 0 is greedy (argmax, first index on ties).
-
-What `rollout_log_probs` hold: log softmax(logits / temperature)[token] of the UNFILTERED
-tempered distribution, i.e. what the actor recomputes (it applies no top-k / top-p / stop-token mask).
-With top_p < 1, top_k > 0 or min_new_tokens > 0 that is not the probability the token was actually drawn with (the same convention as
-SGLang and vLLM). Greedy rows (temperature 0) report log softmax(logits)[token], temperature 1.
+Sampling: each step draws one token per row with `sample_next_tokens` (rollout/sampling.py, whose
+docstring gives the order of temperature, stop-token mask, top-k and top-p, and what
+`rollout_log_probs` hold). With `SamplingParams.seed` set, row (prompt_id, j) draws from its own
+generator seeded with `derive_sample_seed(seed, prompt_id, j)`, so a sample does not depend on
+batching or on the order of the prompts.
 
 Parallelism: pipeline parallelism is not supported (ValueError at construction). Under tensor
 parallelism every TP rank runs the same generation on logits gathered over TP; after each step
@@ -74,7 +68,6 @@ Shape legend:
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -96,87 +89,14 @@ from megatron_dapo.rollout.base import (
     derive_sample_seed,
     right_padded,
 )
+from megatron_dapo.rollout.generation_attention import _RotatedKeyCache, _SdpaCoreAttention
+from megatron_dapo.rollout.sampling import sample_next_tokens
 
-__all__ = ["LocalEngine", "filter_logits", "sample_next_tokens"]
+__all__ = ["LocalEngine"]
 
 # Module attributes that carry sequence parallelism (the list Megatron's own
 # transformer/utils.set_model_to_sequence_parallel walks).
 _SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
-
-
-# --------------------------------------------------------------------------------- sampling math
-
-
-def filter_logits(z: Tensor, *, top_k: int, top_p: float) -> Tensor:
-    """z [b, V] -> z with the tokens outside top-k, then outside the top-p nucleus, set to -inf.
-
-    top_k = -1 keeps all (ties with the k-th value are kept). top_p keeps the smallest set of most
-    likely tokens whose probability reaches top_p: a token is removed when the probability of the
-    tokens before it (sorted descending) already exceeds top_p, so the most likely one always stays.
-    """
-    V = z.shape[-1]
-    if top_k != -1 and top_k < V:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
-        probs = sorted_z.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        remove = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, before > top_p)
-        z = z.masked_fill(remove, float("-inf"))
-    return z
-
-
-def sample_next_tokens(logits: Tensor, *, temperature: float, top_k: int = -1, top_p: float = 1.0,
-                       generators: Sequence[torch.Generator] | None = None,
-                       uniforms: Tensor | None = None, banned_ids: Tensor | None = None,
-                       banned_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """One token per row: logits [b, V] -> (tokens [b] int64, log_probs [b] fp32).
-
-    temperature 0: argmax, log-prob under softmax(logits). Otherwise a draw from
-    softmax(filter_logits(logits / temperature)) by inverse CDF on one uniform per row: uniforms[i]
-    when given ([b], drawn by the caller), else the next draw of generators[i] for row i, else
-    torch's default generator; the log-prob is that of the unfiltered softmax(logits / temperature)
-    (module docstring).
-
-    banned_ids [k] int64: tokens that cannot be drawn (argmax included) in the rows where
-    banned_rows [b] bool is set (None: every row), masked before top-k / top-p as SGLang's
-    min_new_tokens penalty does; like those filters the mask leaves the reported log-prob alone.
-    """
-    logits = logits.float()
-    if temperature == 0:
-        tokens = _ban(logits, banned_ids, banned_rows).argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    z = logits / temperature
-    log_probs = torch.log_softmax(z, dim=-1)
-    probs = filter_logits(_ban(z, banned_ids, banned_rows), top_k=top_k, top_p=top_p).softmax(dim=-1)
-    b, V = probs.shape
-    if uniforms is not None:
-        if uniforms.shape != (b,):
-            raise ValueError(f"sample_next_tokens: uniforms of shape {tuple(uniforms.shape)} for {b} rows")
-        u = uniforms.to(probs.device, torch.float32)
-    elif generators is None:
-        u = torch.rand(b, device=probs.device)
-    else:
-        if len(generators) != b:
-            raise ValueError(f"sample_next_tokens: {len(generators)} generators for {b} rows")
-        u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
-    cdf = probs.cumsum(dim=-1)
-    # right=True: the first index whose cdf exceeds the draw, so zero-probability (filtered)
-    # tokens, whose cdf step is flat, can never be chosen; scaling by cdf[-1] absorbs round-off.
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    tokens = tokens.clamp(max=V - 1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _ban(z: Tensor, ids: Tensor | None, rows: Tensor | None) -> Tensor:
-    """z [b, V] with z[i, ids] = -inf for the rows i set in rows [b] bool (None: all); z itself when
-    nothing is banned."""
-    if ids is None or not len(ids):
-        return z
-    out = z.clone()
-    out[:, ids] = float("-inf") if rows is None else out[:, ids].masked_fill(rows[:, None], float("-inf"))
-    return out
 
 
 # --------------------------------------------------------------------------------------- engine
@@ -572,115 +492,6 @@ class LocalEngine(RolloutEngine):
     def close(self) -> None:
         self._closed = True
         self.abort()
-
-
-class _SdpaCoreAttention(torch.nn.Module):
-    """Megatron's local DotProductAttention computed without its K/V copies, for the generation only
-    (the actor's forward keeps Megatron's module, so training numerics are untouched).
-
-    Why: the local module expands the grouped K/V cache to every head (repeat_interleave, a copy of
-    the whole cache per layer and decode step) and runs baddbmm + masked softmax + bmm. Here the
-    groups are read in place: by two batched matmuls over [b, groups] with the group's heads as the
-    rows of one product for a decode step and for a forward over at most SMALL_KEYS positions, else by
-    torch's scaled_dot_product_attention (enable_gqa) in one fused call. The fused CPU kernel's
-    per-(row, head) blocks cost more than the arithmetic of a decode step at any context length
-    (128 rows, 8 heads / 2 groups of 64, 2 threads: 0.75 / 1.8 / 9.5 / 40.6 ms against 0.30 / 0.88 /
-    7.0 / 24.0 ms at 40 / 140 / 500 / 2,000 keys) and of short forwards (1.3-3.6 ms against 0.6-1.0 ms
-    for 384 rows, 4 heads / 2 groups, 8-19 keys); a longer forward's [g * sq, sk] scores would grow
-    with the square of its length, so it keeps the fused kernel. Only the two shapes the engine
-    produces are handled: a decode step (sq = 1 query against every cached key: nothing to mask) and
-    a forward from position 0 (sq = sk: causal). Any other call goes to the wrapped module. Local spec
-    only (TE's attention is already fused); softmax_type vanilla, no sliding window, dropout off (eval).
-    Shapes: query [sq, b, np, hn], key / value [sk, b, ng, hn] -> [sq, b, np * hn].
-    """
-
-    SMALL_KEYS = 32
-
-    def __init__(self, core: torch.nn.Module):
-        super().__init__()
-        self.core = core
-        coeff = core.scale_mask_softmax.scale  # apply_query_key_layer_scaling: softmax_scale / coeff
-        self.scale = core.softmax_scale * (coeff if coeff is not None else 1.0)
-
-    @staticmethod
-    def can_replace(core: Any) -> bool:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        return (type(core) is DotProductAttention and core.config.softmax_type == "vanilla"
-                and core.scale_mask_softmax.window_size is None)
-
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
-                packed_seq_params: Any = None) -> Tensor:
-        sq, sk = query.shape[0], key.shape[0]
-        if attention_bias is not None or packed_seq_params is not None or not (sq == 1 or sq == sk):
-            return self.core(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        b, heads, hn = query.shape[1], query.shape[2], query.shape[3]
-        if sq == 1 or sk <= self.SMALL_KEYS:
-            return self._small(query, key, value)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            is_causal=sq > 1, scale=self.scale, enable_gqa=key.shape[2] != heads)  # [b, np, sq, hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
-
-    def _small(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """The same attention as two matmuls per group: [g * sq, hn] x [hn, sk] scores, where the g heads
-        of a group share its keys (no copy of K/V per head), a causal mask when sq = sk > 1."""
-        sq, b, heads, hn = query.shape
-        sk, groups = key.shape[0], key.shape[2]
-        g = heads // groups
-        q = query.reshape(sq, b, groups, g, hn).permute(1, 2, 3, 0, 4).reshape(b, groups, g * sq, hn)
-        scores = torch.matmul(q, key.permute(1, 2, 3, 0)) * self.scale       # [b, ng, g * sq, sk]
-        if sq > 1:
-            future = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
-            scores = scores.view(b, groups, g, sq, sk).masked_fill(future, float("-inf")).view(b, groups, g * sq, sk)
-        out = torch.matmul(torch.softmax(scores, dim=-1), value.permute(1, 2, 0, 3))  # [b, ng, g * sq, hn]
-        return out.view(b, groups, g, sq, hn).permute(3, 0, 1, 2, 4).reshape(sq, b, heads * hn)
-
-
-class _RotatedKeyCache:
-    """Megatron's `Attention._adjust_key_value_for_inference` for the generation, with the keys cached
-    after their rotary embedding instead of before.
-
-    Why: with a static inference context Megatron caches the un-rotated keys and rotates the whole
-    cache [0, offset + 1) again in every decode step and layer (attention.py: `k_pos_emb[:sequence_end]`
-    then `apply_rotary_pos_emb(key, ...)`), so a decode step's cost grew with the context: at 8
-    layers x 128 rows x 2 groups of 64, 8 + 128 tokens, the rotation of the cache took about a third
-    of the generation on CPU. Here the new positions' keys are rotated once, by the same Megatron
-    function with the same frequencies, mscale and group, before the original method stores them;
-    the key rotary it returns is None, so the forward rotates only the query. RoPE acts on each
-    position alone, so the cached keys hold what the forward's rotation of the whole cache gives.
-    Self-attention with static batching only (the engine's context); anything else passes through.
-    """
-
-    def __init__(self, attention: torch.nn.Module):
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
-
-        self.attention, self.original = attention, type(attention)._adjust_key_value_for_inference
-        self.rotate = functools.partial(  # the forward's own key rotation (attention.py), fixed per module
-            apply_rotary_pos_emb, config=attention.config, cp_group=attention.pg_collection.cp,
-            mscale=_yarn_get_concentration_factor_from_config(attention.config))
-
-    @staticmethod
-    def can_wrap(attention: Any) -> bool:
-        from megatron.core.transformer.attention import SelfAttention
-
-        return (isinstance(attention, SelfAttention) and type(attention)._adjust_key_value_for_inference
-                is SelfAttention._adjust_key_value_for_inference and not attention.config.flash_decode)
-
-    def __call__(self, inference_context: Any, query: Tensor, key: Tensor, value: Tensor, rotary_pos_emb: Any,
-                 *args: Any, **kwargs: Any) -> tuple:
-        a = self.attention
-        if (inference_context is None or not inference_context.is_static_batching() or rotary_pos_emb is None
-                or rotary_pos_emb[1] is None):
-            return self.original(a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-        start = inference_context.sequence_len_offset
-        key = self.rotate(key, rotary_pos_emb[1][start:start + key.shape[0]])
-        query, key, value, rotary_pos_emb, mask_type, block_table = self.original(
-            a, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-        return query, key, value, (rotary_pos_emb[0], None), mask_type, block_table
 
 
 class _CachedStepper:

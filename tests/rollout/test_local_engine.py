@@ -26,7 +26,8 @@ from megatron_dapo.rollout.base import (
     check_generate_output,
     samples_to_batch,
 )
-from megatron_dapo.rollout.local_engine import LocalEngine, filter_logits, sample_next_tokens
+from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.sampling import filter_logits, sample_next_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB, PAD, EOS = 16, 0, 1
@@ -116,12 +117,12 @@ def test_long_generations_keep_actor_log_probs_and_megatron_s_own_cache(pgs, act
     """Past SMALL_KEYS cached keys (48 new tokens): the log-probs are still the actor's, and the keys
     cached after their rotary (_RotatedKeyCache) give the tokens and log-probs of Megatron's own
     cache of un-rotated keys, rotated whole in every step."""
-    from megatron_dapo.rollout import local_engine
+    from megatron_dapo.rollout import generation_attention
 
     sampling = SamplingParams(max_new_tokens=48, n=2, temperature=1.0, seed=13)
     calls = []
-    original = local_engine._RotatedKeyCache.__call__
-    monkeypatch.setattr(local_engine._RotatedKeyCache, "__call__",
+    original = generation_attention._RotatedKeyCache.__call__
+    monkeypatch.setattr(generation_attention._RotatedKeyCache, "__call__",
                         lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     samples = engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, sampling)
     layers = bare(actor).config.num_layers
@@ -130,7 +131,7 @@ def test_long_generations_keep_actor_log_probs_and_megatron_s_own_cache(pgs, act
     assert int(batch.response_length.min()) == 48
     torch.testing.assert_close(batch.rollout_log_probs, ref, atol=1e-5, rtol=0)
 
-    monkeypatch.setattr(local_engine._RotatedKeyCache, "can_wrap", staticmethod(lambda attention: False))
+    monkeypatch.setattr(generation_attention._RotatedKeyCache, "can_wrap", staticmethod(lambda attention: False))
     megatron = engine(bare(actor), pgs, eos_token_id=None).generate(PROMPTS, sampling)
     assert [s.response_token_ids for s in megatron] == [s.response_token_ids for s in samples]
     torch.testing.assert_close(torch.tensor([s.rollout_log_probs for s in megatron]),
@@ -178,7 +179,7 @@ def test_generation_attention_paths_equal_megatron_core_attention(pgs, actor, sq
     Megatron's own DotProductAttention: a decode step (sq = 1) and a causal forward."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_dapo.rollout.local_engine import _SdpaCoreAttention
+    from megatron_dapo.rollout.generation_attention import _SdpaCoreAttention
 
     core = bare(actor).decoder.layers[0].self_attention.core_attention
     heads, groups, hn = core.num_attention_heads_per_partition, core.num_query_groups_per_partition, core.hidden_size_per_attention_head
