@@ -1,4 +1,5 @@
-"""Typed configuration: one dataclass tree (schema.py, root.py), YAML/dotlist loading (loader.py)."""
+"""Typed configuration: one dataclass tree (schema.py, schema_rollout.py, schema_algorithm.py, root.py),
+YAML/dotlist loading (loader.py)."""
 
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.loader import (

@@ -8,15 +8,14 @@ from dataclasses import dataclass, field
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import (
     ActorConfig,
-    AlgorithmConfig,
     DataConfig,
     ModelConfig,
     ParallelConfig,
     QueueConfig,
-    RewardConfig,
-    RolloutConfig,
     TrainerConfig,
 )
+from megatron_dapo.config.schema_algorithm import AlgorithmConfig, RewardConfig
+from megatron_dapo.config.schema_rollout import RolloutConfig
 
 _KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 

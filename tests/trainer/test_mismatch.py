@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_dapo.config import load_config
-from megatron_dapo.config.schema import MismatchAlarmConfig
+from megatron_dapo.config.schema_rollout import MismatchAlarmConfig
 from megatron_dapo.data.tokenizer import CharTokenizer
 from megatron_dapo.trainer.mismatch import MismatchAlarm, MismatchAlarmError, mismatch_metrics
 from megatron_dapo.trainer.run import run
