@@ -195,6 +195,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dense MLP width; default 64 (qwen3_moe: unused, every layer MoE), 256 (qwen2)")
     p.add_argument("--transport", nargs="+", choices=("distributed", "ipc"), default=["distributed", "ipc"])
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[DEFAULT_BUCKET_MB, 16.0])
+    p.add_argument("--flatten", nargs="+", choices=("on", "off"), default=["on"],
+                   help="each bucket as one byte tensor (SGLang's flattened_bucket, the trainer's default) or "
+                        "tensor by tensor (off: the sync before it)")
+    p.add_argument("--profile", action="store_true", help="print the trainer side's top functions (cProfile) of "
+                                                            "one more sync per run")
     p.add_argument("--syncs", type=int, default=3, help="timed syncs after one warm-up sync (median reported)")
     p.add_argument("--sweep", action="store_true", help="experts 8/32/128 and layers 16/32/64 at fixed bytes")
     p.add_argument("--keep", default=None, help="directory for the checkpoints and server logs (default: a temp dir)")
@@ -346,7 +351,11 @@ def run_structure(s: dict, args, pgs, workdir: str) -> list[dict]:
                 push = weight_push(cfg, pgs=pgs, engine=engine, chunks=chunks, vocab_size=vocab, free_memory=dict)
                 sync = push.sync
                 try:
-                    runs.append(_measure(sync, engine, log, arch, s, transport, bucket_mb, args.syncs))
+                    for flatten in args.flatten:
+                        sync.flatten = flatten == "on"
+                        runs.append(_measure(sync, engine, log, arch, s, transport, bucket_mb, args.syncs))
+                        if args.profile:
+                            _profile(sync, version=1000 + len(runs))
                 finally:
                     sync.close()
     finally:
@@ -386,13 +395,26 @@ def _measure(sync, engine, log: ServerLog, arch, s: dict, transport: str, bucket
            "moe_ffn": arch.moe_ffn_hidden_size or 0, "dense_ffn": arch.ffn_hidden_size, "transport": transport,
            "bucket_mb": bucket_mb, "sync_s": round(stats.seconds, 3), "floor_s": round(sorted(floors)[(len(floors) - 1) // 2], 3),
            "load_s": round(sum(sec for _, sec in calls), 3), "load_calls": len(calls), "actor_s": round(actor_s, 3),
-           "tensors": stats.tensors, "buckets": stats.buckets, "bytes": sum(sizes),
+           "tensors": stats.tensors, "buckets": stats.buckets, "flattened_buckets": stats.flattened_buckets,
+           "bytes": sum(sizes),
            "sync_s_all": [round(t.seconds, 3) for t in timed], "floor_s_all": [round(f, 3) for f in floors]}
-    print(f"  {transport:11s} bucket {bucket_mb:g} MiB: sync {row['sync_s']:.2f} s (floor {row['floor_s']:.2f} s), "
+    print(f"  {transport:11s} {'flat' if stats.flattened_buckets else 'per-tensor'} bucket {bucket_mb:g} MiB: sync {row['sync_s']:.2f} s (floor {row['floor_s']:.2f} s), "
           f"server load_weights {row['load_s']:.2f} s in {row['load_calls']} calls; {row['tensors']:,} tensors, "
           f"{row['buckets']} buckets, {row['bytes'] / 2**20:.1f} MiB; actor gather + HF split alone {actor_s:.2f} s",
           flush=True)
     return row
+
+
+def _profile(sync, *, version: int) -> None:
+    """One more sync under cProfile: where the trainer side's seconds go (the server's are in load_s)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    sync.sync(version)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -413,10 +435,11 @@ def main() -> None:
     runs = []
     for s in structures(args):
         runs += run_structure(s, args, pgs, workdir)
-    print(f"{'model':9s} {'layers':>6s} {'experts':>7s} {'transport':11s} {'bucket':>7s} {'sync_s':>7s} "
+    print(f"{'model':9s} {'layers':>6s} {'experts':>7s} {'transport':11s} {'flat':>4s} {'bucket':>7s} {'sync_s':>7s} "
           f"{'floor_s':>7s} {'load_s':>7s} {'tensors':>7s} {'buckets':>7s} {'MiB':>7s}")
     for r in runs:
-        print(f"{r['model']:9s} {r['layers']:6d} {r['experts']:7d} {r['transport']:11s} {r['bucket_mb']:7g} "
+        print(f"{r['model']:9s} {r['layers']:6d} {r['experts']:7d} {r['transport']:11s} "
+              f"{'yes' if r['flattened_buckets'] else 'no':>4s} {r['bucket_mb']:7g} "
               f"{r['sync_s']:7.2f} {r['floor_s']:7.2f} {r['load_s']:7.2f} {r['tensors']:7d} {r['buckets']:7d} "
               f"{r['bytes'] / 2**20:7.1f}")
     fits = {}
@@ -424,7 +447,7 @@ def main() -> None:
         for model in ("qwen3_moe", "qwen2"):
             for transport in args.transport:
                 pts = [r for r in runs if r["model"] == model and r["transport"] == transport
-                       and r["bucket_mb"] == args.bucket_mb[0]]
+                       and r["bucket_mb"] == args.bucket_mb[0] and bool(r["flattened_buckets"]) == (args.flatten[0] == "on")]
                 if len(pts) >= 2:
                     for key in ("sync_s", "load_s", "floor_s"):
                         a, b = fit_line([r["tensors"] for r in pts], [r[key] for r in pts])
@@ -433,7 +456,7 @@ def main() -> None:
             print(f"fit {k}: {v}")
     print(json.dumps({"runs": [{k: r[k] for k in ("model", "layers", "experts", "moe_ffn", "dense_ffn", "transport",
                                                   "bucket_mb", "sync_s", "floor_s", "load_s", "load_calls", "actor_s", "tensors",
-                                                  "buckets", "bytes", "sync_s_all", "floor_s_all")} for r in runs],
+                                                  "buckets", "flattened_buckets", "bytes", "sync_s_all", "floor_s_all")} for r in runs],
                       "fits": fits, "sweep": args.sweep, "syncs": args.syncs, "dtype": "fp32"}))
 
 

@@ -379,6 +379,27 @@ def test_weight_sync_plan_for_the_32b_recipe_by_hand():
     assert "65.53 GB per server TP rank" in format_weight_sync(plan)
 
 
+def test_the_sync_line_counts_the_recipes_hf_tensors_and_prices_them():
+    """18,867 HF tensors for Qwen3-30B-A3B (3 + 48 x (8 attention + router + 3 x 128 experts)), 771 for
+    Qwen2.5-32B (3 + 64 x 12 with the qkv biases): the tensor count bench_weight_sync.py measures; the line
+    prices them at the measured per-tensor cost plus the bytes at the assumed rate."""
+    from megatron_dapo.plan.weights import (
+        SYNC_ASSUMED_GBPS,
+        SYNC_US_PER_TENSOR,
+        format_weight_sync,
+        plan_weight_sync,
+        sync_tensor_count,
+    )
+
+    assert sync_tensor_count(get_arch("qwen3-30b-a3b")) == 18_867
+    assert sync_tensor_count(get_arch("qwen2.5-32b")) == 771
+    plan = plan_weight_sync(get_arch("qwen3-30b-a3b"), tp=4, pp=1, ep=8, dtype_bytes=2, transport="ipc",
+                            server_ranks=128, nodes=16)
+    want = 18_867 * SYNC_US_PER_TENSOR * 1e-6 + plan.model_bytes / (SYNC_ASSUMED_GBPS * 1e9)
+    assert plan.estimated_seconds() == pytest.approx(want)
+    assert f"sync: about {want:.1f} s per step = 18,867 HF tensors x " in format_weight_sync(plan)
+
+
 def test_router_replay_records_per_rank_at_the_moe_recipe():
     """The MoE recipe (r2): 512 x 16 rows over DP 64, at most 2,048 + 20,480 tokens, 48 MoE layers, top-8,
     1 byte per expert id (128 experts): 1.03 GiB of host memory per rank, printed by the planner."""

@@ -16,7 +16,12 @@ One sync moves every tensor of every pipeline stage to every server (DESIGN.md, 
      NCCL collective among distinct GPUs), which posts CUDA IPC handles to its node's servers: the
      servers read the tensors from device memory, nothing is copied for them.
 Extra memory of a sync on a sender: one parameter being gathered plus one bucket
-(rollout.weight_sync_bucket_mb); on a node leader in ipc mode: one bucket.
+(rollout.weight_sync_bucket_mb) and its flattened copy (each bucket travels as one byte tensor); on a node
+leader in ipc mode: one bucket.
+
+Seconds: a sync costs per HF tensor as well as per byte (SGLang's load_weights walks its expert mapping for
+every tensor; the trainer gathers and names each one): the `sync:` line estimates the step's sync as
+tensors x SYNC_US_PER_TENSOR + bytes / SYNC_ASSUMED_GBPS.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ from megatron_dapo.models.arch import ModelArch
 from megatron_dapo.plan.params import count_shards
 
 GB = 1e9
+SYNC_US_PER_TENSOR = 110.0
+"""Microseconds per HF tensor of a sync beyond its bytes, measured at Qwen3-30B-A3B's structure (48 layers x
+128 experts, 18,867 tensors, tiny widths) against a real SGLang 0.5.23 CPU server, buckets flattened:
+(sync - same-bytes floor) / tensors = (2.09-2.46 s - 0.15-0.27 s) / 18,867 on a 2-core AMD EPYC
+(benchmarks/bench_weight_sync.py, docs/benchmarks.md, 2026-12-06). About 40 of it is the server's
+load_weights (its scan of the expert mapping per tensor), the rest the trainer's gather and HF naming and the
+server's receive; a GPU node's faster host CPU makes it an upper estimate there."""
+SYNC_ASSUMED_GBPS = 25.0
+"""Bytes term of the estimate: an assumed NCCL broadcast rate per link (not measured here)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,11 @@ class WeightSyncPlan:
     """TP ranks over all servers (each receives the whole model)."""
     nodes: int
     bucket_bytes: int
+    tensors: int = 0
+    """HF tensors one sync sends (sync_tensor_count)."""
+
+    def estimated_seconds(self) -> float:
+        return self.tensors * SYNC_US_PER_TENSOR * 1e-6 + self.model_bytes / (SYNC_ASSUMED_GBPS * GB)
 
     def per_server_rank(self) -> int:
         return self.model_bytes
@@ -58,6 +77,16 @@ class WeightSyncPlan:
         stage_bytes per link instead."""
         receivers = self.server_ranks if self.transport == "distributed" else max(self.nodes - 1, 0)
         return self.stages[stage].stage_bytes * receivers
+
+
+def sync_tensor_count(arch: ModelArch) -> int:
+    """HF tensors of one sync (MTP layers left out): embeddings, final norm and an untied output layer; per
+    layer two norms, q / k / v / o (+ their biases, + q / k norms), and an MLP of three matrices, or a router
+    plus three per expert (+ a shared expert's three and its gate). 48 x 128-expert Qwen3-MoE: 18,867."""
+    attention = 6 + 3 * arch.add_qkv_bias + 2 * arch.qk_layernorm
+    moe = 1 + 3 * (arch.num_moe_experts or 0) + (4 if arch.moe_shared_expert_intermediate_size else 0)
+    layers = sum(attention + (moe if is_moe else 3) for is_moe in arch.moe_layer_pattern())
+    return 2 + arch.untie_embeddings_and_output_weights + layers
 
 
 def plan_weight_sync(arch: ModelArch, *, tp: int, pp: int, ep: int = 1, etp: int | None = None,
@@ -81,7 +110,7 @@ def plan_weight_sync(arch: ModelArch, *, tp: int, pp: int, ep: int = 1, etp: int
                                    sender_gathers=dense_gather + expert_gather, peer_sends=peer))
     return WeightSyncPlan(transport=transport, stages=tuple(stages),
                           model_bytes=sum(s.stage_bytes for s in stages), server_ranks=server_ranks, nodes=nodes,
-                          bucket_bytes=bucket_bytes)
+                          bucket_bytes=bucket_bytes, tensors=sync_tensor_count(arch))
 
 
 def plan_weight_sync_from_config(cfg, *, arch: ModelArch, device_type: str = "cuda") -> WeightSyncPlan:
@@ -109,5 +138,9 @@ def format_weight_sync(plan: WeightSyncPlan) -> str:
     if plan.transport == "ipc":
         lines.append(f"  ipc: each of {plan.nodes} node leaders receives the model once "
                      f"({plan.model_bytes / GB:.2f} GB) and hands CUDA IPC handles to its node's servers (no copy)")
-    lines.append("  other data-parallel replicas move nothing; extra memory: one parameter + one bucket per sender")
+    lines.append("  other data-parallel replicas move nothing; extra memory: one parameter + one bucket (and its "
+                 "flattened copy) per sender")
+    lines.append(f"sync: about {plan.estimated_seconds():.1f} s per step = {plan.tensors:,} HF tensors x "
+                 f"{SYNC_US_PER_TENSOR:g} us (per-tensor cost measured on CPU, benchmarks/bench_weight_sync.py) + "
+                 f"{plan.model_bytes / GB:.1f} GB at an assumed {SYNC_ASSUMED_GBPS:g} GB/s")
     return "\n".join(lines)

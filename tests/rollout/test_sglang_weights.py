@@ -65,6 +65,41 @@ def test_serialized_bucket_round_trips_through_forking_pickler():
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_a_flattened_bucket_is_its_tensors_bytes_end_to_end_and_reads_back_as_sglang_cuts_it():
+    """weights.flattened_bytes / flattened_entry against the stand-in's reading of SGLang's flattened_bucket
+    (tests/standin/weights.py: byte slices viewed as each dtype and shape, metadata as SimpleNamespace)."""
+    from tests.standin.weights import deserialize
+
+    named = _named()[:2] + [("h", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t())]  # non-contiguous
+    flat = sw.flattened_bytes([t for _, t in named])
+    assert flat.dtype == torch.uint8 and flat.numel() == 400 + 400 + 12
+    assert torch.equal(flat[400:800].view(torch.float32), named[1][1])
+    entry = sw.flattened_entry([(n, tuple(t.shape), t.dtype) for n, t in named], flat)
+    assert [(m.name, m.start_idx, m.end_idx) for m in entry["metadata"]] == [("a", 0, 400), ("b", 400, 800),
+                                                                             ("h", 800, 812)]
+    back = deserialize(sw.serialize_flattened(entry), load_format=sw.FLATTENED_BUCKET)
+    assert [n for n, _ in back] == ["a", "b", "h"]
+    for (_, want), (_, got) in zip(named, back, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    # A float32 after an odd number of bf16 values would sit at an offset 4 does not divide: SGLang refuses
+    # to view it, so that bucket goes tensor by tensor.
+    assert sw.flattened_bytes([torch.ones(3, dtype=torch.bfloat16), torch.ones(2)]) is None
+    assert sw.flattened_bytes([torch.ones(2), torch.ones(3, dtype=torch.bfloat16)]) is not None
+    with pytest.raises(ValueError, match="holds 8 bytes, its tensors 4"):
+        sw.flattened_entry([("x", (1,), torch.float32)], torch.zeros(8, dtype=torch.uint8))
+
+
+def test_the_standin_fails_a_flattened_update_where_sglang_does():
+    from tests.standin.weights import deserialize
+
+    named = _named()[:1]  # alive while the server side opens it (a shared-memory file)
+    plain = sw.serialize_named_tensors(named)
+    with pytest.raises(TypeError):  # a list where SGLang indexes ["flattened_tensor"]
+        deserialize(plain, load_format=sw.FLATTENED_BUCKET)
+    with pytest.raises(NotImplementedError, match="Unknown load_format=bogus"):
+        deserialize(plain, load_format="bogus")
+
+
 def test_distributed_payload_lists_names_dtypes_shapes_in_bucket_order():
     bucket = [("w", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(3))]
     p = sw.distributed_update_payload(bucket, group_name="g", flush_cache=False, weight_version=None)

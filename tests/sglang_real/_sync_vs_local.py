@@ -54,7 +54,9 @@ def main(out: str, transport: str, overrides: list[str]) -> None:
                         p.add_(NOISE_STD * torch.randn(p.shape, generator=g).to(p.dtype))
             t0 = time.perf_counter()
             parts.sync_weights(version)
-            entry = {"version": version, "sync_s": time.perf_counter() - t0, "local": greedy(local), "servers": {}}
+            last = parts.sync_weights.sync.last_stats
+            entry = {"version": version, "sync_s": time.perf_counter() - t0, "local": greedy(local), "servers": {},
+                     "buckets": last.buckets, "flattened_buckets": last.flattened_buckets}
             for url in cfg.rollout.sglang_urls:
                 with SGLangEngine([url]) as one:
                     entry["servers"][url] = greedy(one)

@@ -41,6 +41,8 @@ def test_after_a_sync_each_server_generates_the_local_engines_greedy_tokens(real
     assert [e["version"] for e in report] == list(SYNC_VERSIONS)
     for entry in report:
         print(f"{transport}: sync to version {entry['version']} in {entry['sync_s']:.2f} s")
+        # every bucket went as one byte tensor (SGLang's flattened_bucket), and there were several
+        assert entry["flattened_buckets"] == entry["buckets"] > 1, entry
         local = {pid: r["tokens"] for pid, r in entry["local"].items()}
         assert all(len(t) > 0 for t in local.values())
         for url, rows in entry["servers"].items():

@@ -117,7 +117,7 @@ def from_tensor(st: State, body: dict, query):
             st.crash("update_weights_from_tensor", IndexError(
                 f"list index out of range ({len(entries)} entries, tp_size={st.get_ranks().tp_size})"))
         try:
-            per_rank = st.get_ranks().open_serialized(entries[: st.get_ranks().tp_size])
+            per_rank = st.get_ranks().open_serialized(entries[: st.get_ranks().tp_size], body.get("load_format"))
         except RankError as e:
             st.crash("update_weights_from_tensor", e.error)
         _apply(st, per_rank, roles=_roles(st, "/update_weights_from_tensor", body),

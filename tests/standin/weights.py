@@ -28,6 +28,7 @@ import base64
 import hashlib
 import inspect
 import io
+import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,8 @@ _ALLOWED_MODULES = {"torch._utils", "torch.multiprocessing.reductions", "torch.s
 _ALLOWED = {("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "bytes", "set")} | {
     ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("multiprocessing.resource_sharer", "DupFd"),
     ("multiprocessing.reduction", "_rebuild_partial"), ("torch", "Size"), ("torch", "device"),
-    ("torch", "Tensor"), ("torch", "UntypedStorage"), ("torch", "TypedStorage")}
+    ("torch", "Tensor"), ("torch", "UntypedStorage"), ("torch", "TypedStorage"),
+    ("types", "SimpleNamespace")}  # a flattened bucket's metadata (SGLang 0.5.23 utils/common.py:3176 allows it)
 
 
 # The argument of torch's rebuild_cuda_tensor that names the storage's device (found by name: SGLang
@@ -98,12 +100,25 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def deserialize(entry: str) -> list[tuple[str, torch.Tensor]]:
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+def deserialize(entry: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """One TP rank's entry as its (name, tensor) pairs. load_format "flattened_bucket": the entry is a dict
+    {"flattened_tensor": uint8, "metadata": [objects with name, shape, dtype, start_idx, end_idx]} and the
+    tensors are its byte slices viewed as their dtype and shape (SGLang 0.5.23 model_runner_components/
+    weight_updater.py:354 -> _update_weights_from_flattened_bucket :383-405 -> weight_sync/tensor_bucket.py
+    reconstruct_tensors); anything else in that format fails as SGLang's attribute / key access does."""
     data = base64.b64decode(entry, validate=True)
-    named = _RestrictedUnpickler(io.BytesIO(data)).load()
-    if not (isinstance(named, list) and all(isinstance(x, tuple) and len(x) == 2 for x in named)):
+    obj = _RestrictedUnpickler(io.BytesIO(data)).load()
+    if load_format == FLATTENED_BUCKET:
+        flat, metadata = obj["flattened_tensor"], obj["metadata"]  # TypeError / KeyError as in SGLang
+        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+    if load_format is not None:  # weight_updater.py:380 (no custom loaders here)
+        raise NotImplementedError(f"Unknown load_format={load_format}")
+    if not (isinstance(obj, list) and all(isinstance(x, tuple) and len(x) == 2 for x in obj)):
         raise ValueError("serialized_named_tensors entry is not a list of (name, tensor) pairs")
-    return named
+    return obj
 
 
 def tensor_checksum(t: torch.Tensor) -> dict[str, Any]:
@@ -172,10 +187,33 @@ class Ranks:
             if not isinstance(getattr(torch, dt, None), torch.dtype):
                 raise ValueError(f"parameter {n!r}: dtype {dt!r} is not a torch dtype name")
 
-        def recv(r):
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        if body.get("load_format") == FLATTENED_BUCKET:
+            # SGLang 0.5.23 weight_updater.py:275 -> _receive_bucketed_weights_from_distributed :297-307:
+            # FlattenedTensorBucket.empty (weight_sync/tensor_bucket.py:87-111) lays the tensors end to end in
+            # request order, refusing an empty bucket and a tensor at an offset its element size does not
+            # divide, then one uint8 broadcast fills it.
+            offsets, offset = [], 0
+            for n, dt, shape in zip(names, dtypes, shapes, strict=True):
+                dtype = getattr(torch, dt)
+                if offset % dtype.itemsize:
+                    raise ValueError(f"Unaligned received tensor {n}: byte offset {offset}, dtype {dtype}")
+                offsets.append((n, dtype, tuple(shape), offset))
+                offset += math.prod(shape) * dtype.itemsize
+            if not offsets:
+                raise ValueError("Cannot create empty tensor bucket")
+
+            def recv_flat(r):
+                flat = torch.empty(offset, dtype=torch.uint8)
+                self.groups[r][name].broadcast([flat], opts).wait()
+                return {n: flat[o:o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+                        for n, dtype, shape, o in offsets}
+
+            return self.run(recv_flat)
+
+        def recv(r):  # any other load_format is ignored on this route (weight_updater.py:275)
             out = {}
-            opts = dist.BroadcastOptions()
-            opts.rootRank, opts.rootTensor = 0, 0
             for n, dt, shape in zip(names, dtypes, shapes, strict=True):
                 t = torch.empty(tuple(shape), dtype=getattr(torch, dt))
                 self.groups[r][name].broadcast([t], opts).wait()
@@ -184,9 +222,9 @@ class Ranks:
 
         return self.run(recv)
 
-    def open_serialized(self, entries: list[str]) -> list[dict[str, torch.Tensor]]:
+    def open_serialized(self, entries: list[str], load_format: str | None = None) -> list[dict[str, torch.Tensor]]:
         """Each rank opens its own entry (index tp_rank), as SGLang's TP workers do."""
         if len(entries) != self.tp_size:
             raise ValueError(f"serialized_named_tensors has {len(entries)} entries, the server has "
                              f"tp_size={self.tp_size} (one per TP rank)")
-        return self.run(lambda r: {n: t.clone() for n, t in deserialize(entries[r])})
+        return self.run(lambda r: {n: t.clone() for n, t in deserialize(entries[r], load_format)})

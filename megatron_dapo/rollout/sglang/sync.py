@@ -14,12 +14,17 @@ Two transports, chosen per run (`rollout.weight_transport`):
   opens its own weight-update group with every TP rank of every server (SGLang's
   /init_weights_update_group; group `<prefix>_pp<stage>`, the sender is group rank 0 and hosts the
   TCP store on a free port of `host`). Per bucket the sender posts /update_weights_from_distributed
-  (names, dtypes, shapes) to every server and broadcasts the tensors in that order (NCCL on CUDA:
+  (names, dtypes, shapes) to every server and broadcasts the bucket's bytes as one tensor (NCCL on CUDA:
   device tensors, no host copy; gloo on CPU).
 - "ipc" (colocated: servers on the trainer's GPUs, where NCCL refuses two ranks on one GPU): per
-  bucket the sender broadcasts the tensors over a fan-out group (senders + the first rank of every
+  bucket the sender broadcasts the bucket's bytes over a fan-out group (senders + the first rank of every
   node) and each node's first rank posts /update_weights_from_tensor to the servers on its node, one
-  ForkingPickler serialization per server TP rank: CUDA IPC handles on GPU. On CPU the same path runs
+  ForkingPickler serialization per server TP rank: CUDA IPC handles on GPU.
+
+Both send a bucket as SGLang's "flattened_bucket" (weights.FLATTENED_BUCKET): the tensors' bytes end to end,
+one collective and one shared handle per bucket instead of one per tensor (18,867 tensors per sync at
+Qwen3-30B-A3B's structure: 4.4-5.8 s -> 2.1-2.5 s a sync on the CPU benchmark, docs/benchmarks.md). A bucket
+whose tensors would not sit at offsets their element sizes divide (mixed dtypes) goes tensor by tensor. On CPU the same path runs
   with torch's "file_system" sharing strategy (shared-memory file names, which any process on the node
   can open, like CUDA IPC handles and unlike the default file descriptors). Handles never leave a node.
 
@@ -45,6 +50,7 @@ Shape legend: tensors keep their own shapes; bucket sizes count numel * element_
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -103,6 +109,8 @@ class SyncStats:
 
     seconds: float = 0.0
     buckets: int = 0
+    flattened_buckets: int = 0
+    """Of `buckets`, those sent as one byte tensor (weights.FLATTENED_BUCKET); the others went tensor by tensor."""
     tensors: int = 0
     bytes_sent: int = 0
     """Bytes this rank put on the wire to servers or node leaders."""
@@ -201,7 +209,7 @@ class SGLangWeightSync:
                  host: str | None = None,
                  group_prefix: str = "megatron_dapo_w", drop_mtp: bool = True,
                  session: Callable[[str], None] | None = None, node: int | None = None,
-                 node_leader: bool | None = None, selector: str | None = None):
+                 node_leader: bool | None = None, selector: str | None = None, flatten: bool = True):
         """chunks: this rank's unwrapped model chunks (virtual stages in order). session(event): called on
         rank 0 with "begin" before the first bucket and "end" after the last (SGLang's weight-update
         session, for the releases that have one). node / node_leader: this rank's node index and
@@ -209,7 +217,9 @@ class SGLangWeightSync:
         drop_mtp=False sends the MTP layers too, under the drafter's names; selector: the `selector` of
         every update body (SGLang 0.5.21+: "all" loads into the target and the drafter), None = absent
         (rollout/sglang/drafter.py decides both). timeout_s: joining a group; bucket_timeout_s (default
-        timeout_s): one bucket, from its first POST to the last server's reply (module docstring)."""
+        timeout_s): one bucket, from its first POST to the last server's reply (module docstring).
+        flatten: each bucket travels as one byte tensor (SGLang's flattened_bucket load format,
+        weights.FLATTENED_BUCKET), else tensor by tensor."""
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_transport must be one of {TRANSPORTS}, got {transport!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -221,7 +231,7 @@ class SGLangWeightSync:
             raise ValueError(f"bucket_timeout_s must be in (0, timeout_s={timeout_s:g}], got {bucket_timeout_s!r}")
         self.host = host or reachable_address(servers.urls)
         self.group_prefix, self.drop_mtp, self.session = group_prefix, drop_mtp, session
-        self.selector = selector
+        self.selector, self.flatten = selector, flatten
         self.node = int(os.environ.get("GROUP_RANK", 0)) if node is None else node
         self.node_leader = int(os.environ.get("LOCAL_RANK", 0)) == 0 if node_leader is None else node_leader
         self.sender = is_stage_sender(pgs)
@@ -242,6 +252,7 @@ class SGLangWeightSync:
         self._epochs: dict[str, int] | None = None  # the targets' epochs when the groups were last formed
         self._abandoned: list = []  # groups of buckets that did not complete (kept, never destroyed: _abandon_group)
         self._flush = True  # the current sync flushes the servers' cache with its version (sync())
+        self.last_stats: SyncStats | None = None  # this rank's SyncStats of the last sync
 
     # ------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -362,6 +373,7 @@ class SGLangWeightSync:
         stats.bytes_gathered += traffic.get("received", 0)
         stats.bytes_sent += traffic.get("sent", 0)
         stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
         return stats
 
     def _guard(self, fn, what: str) -> None:
@@ -420,12 +432,13 @@ class SGLangWeightSync:
             yield bucket
 
     def _post_distributed(self, tensors: list[tuple[str, torch.Tensor]], *, version: int | None = None,
-                          replied: dict | None = None) -> None:
+                          replied: dict | None = None, flattened: bool = False) -> None:
         """POST one bucket's update to every active server (`replied`: filled with each server's answer, as
-        it comes, for the deadline's message)."""
+        it comes, for the deadline's message; `flattened`: the bucket travels as one byte tensor)."""
         body = sw.distributed_update_payload(tensors, group_name=self._group_name,
                                              flush_cache=version is not None and self._flush,
-                                             weight_version=None if version is None else str(version))
+                                             weight_version=None if version is None else str(version),
+                                             load_format=sw.FLATTENED_BUCKET if flattened else None)
         if self.selector is not None:
             body["selector"] = self.selector
         urls = self.active_servers.urls
@@ -448,10 +461,12 @@ class SGLangWeightSync:
         that fails or does not answer in time breaks the collective for every member: the group is
         abandoned (`_abandon_group`) and the error names the servers that did not answer."""
         tensors = [(n, t.detach().contiguous()) for _, pieces, _ in bucket for n, t in pieces]
+        flat = sw.flattened_bytes([t for _, t in tensors]) if self.flatten and tensors else None
         replied: dict[str, str | None] = {}
         deadline = time.monotonic() + self.bucket_timeout_s
-        posting = _in_daemon_thread(self._post_distributed, tensors, replied=replied)
-        works = [self._group.broadcast([t], dist.BroadcastOptions()) for _, t in tensors]
+        posting = _in_daemon_thread(self._post_distributed, tensors, replied=replied, flattened=flat is not None)
+        works = [self._group.broadcast([t], dist.BroadcastOptions())
+                 for t in ([flat] if flat is not None else [t for _, t in tensors])]
         while not (posting.done() and all(w.is_completed() for w in works)):
             if posting.done() and posting.exception() is not None:
                 self._abandon_group()
@@ -469,6 +484,7 @@ class SGLangWeightSync:
         for w in works:
             w.wait()  # a broadcast that ended in an error raises it here
         stats.buckets += 1
+        stats.flattened_buckets += flat is not None
         stats.bytes_sent += sum(self.active_servers.tp_sizes) * sum(sw.tensor_nbytes(t) for _, t in tensors)
 
     def _fan_out(self, buckets, *, stage: int, version: int, last_stage: bool, stats: SyncStats) -> None:
@@ -482,16 +498,21 @@ class SGLangWeightSync:
         mine = [i for i in self.active if self.servers.node_of(i) == self.node]
         post_here = self.node_leader and bool(mine)
 
-        def deliver(spec, tensors, *, final: bool) -> None:
+        def deliver(spec, tensors, *, final: bool, flat: torch.Tensor | None = None) -> None:
             live = [i for i in mine if self.servers.urls[i] not in self._lost]
             if not post_here or not live or self._error is not None:
                 return
-            named = [(name, t) for (name, _, _), t in zip(spec, tensors, strict=True)]
             flush = final and last_stage
-            bodies = [sw.tensor_update_payload([sw.serialize_named_tensors(named)
-                                                for _ in range(self.servers.tp_sizes[i])],
+            if flat is not None:  # one byte tensor: one shared handle per server TP rank, not one per tensor
+                entry = sw.flattened_entry([(n, shape, getattr(torch, dt)) for n, shape, dt in spec], flat)
+                serialize, load_format = (lambda: sw.serialize_flattened(entry)), sw.FLATTENED_BUCKET
+            else:
+                named = [(name, t) for (name, _, _), t in zip(spec, tensors, strict=True)]
+                serialize, load_format = (lambda: sw.serialize_named_tensors(named)), None
+            bodies = [sw.tensor_update_payload([serialize() for _ in range(self.servers.tp_sizes[i])],
                                                flush_cache=flush and self._flush,
-                                               weight_version=str(version) if flush else None)
+                                               weight_version=str(version) if flush else None,
+                                               load_format=load_format)
                       for i in live]
             if self.selector is not None:
                 bodies = [{**b, "selector": self.selector} for b in bodies]
@@ -506,25 +527,37 @@ class SGLangWeightSync:
         def exchange(bucket: list | None) -> bool:
             """One bucket over the fan-out group (None: the end marker); False at the end."""
             box = [None]
+            flat = None
             if is_src and bucket is not None:
                 tensors = [t.detach().contiguous() for _, pieces, _ in bucket for _, t in pieces]
-                box = [[(n, tuple(t.shape), sw.dtype_name(t.dtype)) for _, pieces, _ in bucket for n, t in pieces]]
+                flat = sw.flattened_bytes(tensors) if self.flatten and tensors else None
+                box = [([(n, tuple(t.shape), sw.dtype_name(t.dtype)) for _, pieces, _ in bucket for n, t in pieces],
+                        flat is not None)]
             dist.broadcast_object_list(box, group_src=src, group=self._fanout)
-            spec = box[0]
-            if spec is None:
+            if box[0] is None:
                 deliver([], [], final=True)
                 return False
-            if not is_src:
-                tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=pgs.device) for _, shape, dt in spec]
-            for t in tensors:
-                dist.broadcast(t, group_src=src, group=self._fanout)
-            nbytes = sum(sw.tensor_nbytes(t) for t in tensors)
+            spec, flattened = box[0]
+            if flattened:  # one broadcast of the bucket's bytes instead of one per tensor
+                if not is_src:
+                    flat = torch.empty(sum(math.prod(shape) * getattr(torch, dt).itemsize for _, shape, dt in spec),
+                                       dtype=torch.uint8, device=pgs.device)
+                dist.broadcast(flat, group_src=src, group=self._fanout)
+                tensors, nbytes = [], flat.numel()
+            else:
+                if not is_src:
+                    tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=pgs.device)
+                               for _, shape, dt in spec]
+                for t in tensors:
+                    dist.broadcast(t, group_src=src, group=self._fanout)
+                nbytes = sum(sw.tensor_nbytes(t) for t in tensors)
             if is_src:
                 stats.buckets += 1
+                stats.flattened_buckets += flattened
                 stats.bytes_sent += nbytes * (len(self._fanout_ranks) - 1)
             else:
                 stats.bytes_gathered += nbytes
-            deliver(spec, tensors, final=False)
+            deliver(spec, tensors, final=False, flat=flat if flattened else None)
             return True
 
         if pgs.pp_rank == stage:

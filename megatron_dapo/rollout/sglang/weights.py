@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,13 +125,62 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     becomes the right choice once every server sees its node's GPUs (tests/standin/weights.py reads
     the slot as SGLang does)."""
     tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
+    return _pickled(tensors, cpu=any(t.device.type == "cpu" for _, t in tensors))
+
+
+def _pickled(obj: Any, *, cpu: bool) -> str:
     buf = io.BytesIO()
-    if any(t.device.type == "cpu" for _, t in tensors):
-        with _cpu_storage_by_file_name():
-            ForkingPickler(buf).dump(tensors)
-    else:
-        ForkingPickler(buf).dump(tensors)
+    with _cpu_storage_by_file_name() if cpu else contextlib.nullcontext():
+        ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+FLATTENED_BUCKET = "flattened_bucket"
+"""The `load_format` under which SGLang (0.5.8 to 0.5.23) takes a bucket as one byte tensor: on
+/update_weights_from_distributed one uint8 broadcast of the bucket's tensors end to end, cut back by the
+request's names / dtypes / shapes (0.5.23 model_runner_components/weight_updater.py:275 and
+weight_sync/tensor_bucket.py `FlattenedTensorBucket.empty`; 0.5.8 model_runner.py:1264); on
+/update_weights_from_tensor a {"flattened_tensor", "metadata"} dict per TP rank (0.5.23
+weight_updater.py:354, `_update_weights_from_flattened_bucket`). One collective or one shared tensor per
+bucket instead of one per tensor: 18,867 of them per sync at Qwen3-30B-A3B's structure."""
+
+
+def flattened_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors' bytes end to end as one uint8 tensor (their order kept), or None when one would start at
+    an offset that is not a multiple of its element size: the receiver views each slice as its dtype
+    (0.5.23 tensor_bucket.py refuses "Unaligned received tensor"), so such a bucket goes tensor by tensor."""
+    offset = 0
+    for t in tensors:
+        if offset % t.element_size():
+            return None
+        offset += tensor_nbytes(t)
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def flattened_entry(specs: Sequence[tuple[str, Sequence[int], torch.dtype]], flat: torch.Tensor) -> dict[str, Any]:
+    """What one TP rank of /update_weights_from_tensor unpickles for a flattened bucket: the byte tensor and,
+    per tensor, the fields SGLang reads (`meta.name`, `.shape`, `.dtype`, `.start_idx`, `.end_idx`, `.numel`;
+    0.5.23 weight_updater.py:392-401) as a types.SimpleNamespace, which every supported release's
+    SafeUnpickler admits (0.5.23 utils/common.py:3176; 0.5.8 allows the `types.` prefix), unlike a class of
+    this project the server cannot import."""
+    from types import SimpleNamespace
+
+    metadata, offset = [], 0
+    for name, shape, dtype in specs:  # (name, shape, dtype) of each tensor of `flat`, in order
+        n = math.prod(shape) * dtype.itemsize
+        metadata.append(SimpleNamespace(name=name, shape=tuple(shape), dtype=dtype, start_idx=offset,
+                                        end_idx=offset + n, numel=n))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"the flattened bucket holds {flat.numel()} bytes, its tensors {offset}")
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def serialize_flattened(entry: dict[str, Any]) -> str:
+    """serialize_named_tensors for a flattened_entry (the same handles: CUDA IPC, or a shared-memory file)."""
+    return _pickled(entry, cpu=entry["flattened_tensor"].device.type == "cpu")
 
 
 def tensor_update_payload(
@@ -157,9 +207,11 @@ def distributed_update_payload(
     group_name: str,
     flush_cache: bool,
     weight_version: str | None,
+    load_format: str | None = None,
 ) -> dict[str, Any]:
-    """JSON body of POST /update_weights_from_distributed for one bucket (the tensors travel by broadcast)."""
-    return {
+    """JSON body of POST /update_weights_from_distributed for one bucket (the tensors travel by broadcast:
+    one per tensor, or one byte tensor with load_format=FLATTENED_BUCKET)."""
+    body = {
         "names": [name for name, _ in bucket],
         "dtypes": [dtype_name(t.dtype) for _, t in bucket],
         "shapes": [list(t.shape) for _, t in bucket],
@@ -167,6 +219,9 @@ def distributed_update_payload(
         "flush_cache": flush_cache,
         "weight_version": weight_version,
     }
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
 
 
 def weight_group_layout(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
