@@ -50,6 +50,22 @@ def test_non_positive_max_means_no_limit():
         assert b.check_budget()
 
 
+def test_the_embedded_default_generates_3x_the_recipes_batches_before_it_stops():
+    """configs/tiny_cpu.yaml allows 30 generation batches a step (a late seed-1 step once kept 41 of 64
+    prompts after the recipe's 10 and stopped the run), and still stops a step that can never fill."""
+    from megatron_dapo.config import load_config
+
+    fg = load_config("configs/tiny_cpu.yaml").algorithm.filter_groups
+    b = buf(max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted)
+    for i in range(29):
+        b.add(scored({f"c{i}": [1, 1]}))
+        assert b.check_budget()
+    b.add(scored({"x": [0, 1]}))
+    assert b.num_prompts == 1 and b.num_gen_batches == 30
+    with pytest.raises(DynamicSamplingExhausted, match="kept 1 of the 2 prompts needed after 30 generation batches"):
+        b.check_budget()
+
+
 def test_train_on_available_rounds_down_to_whole_mini_batches():
     b = buf(on_exhausted="train_on_available", max_num_gen_batches=1, train_batch_size=4, ppo_mini_batch_size=2)
     b.add(scored({"a": [1, 0], "b": [0, 1], "c": [1, 0], "d": [1, 1]}))  # 3 informative
