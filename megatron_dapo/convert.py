@@ -256,7 +256,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.trainer.checkpoint import CheckpointCorrupt
+    from megatron_dapo.trainer.run import quiet_libraries
 
+    quiet_libraries()
     args = _parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":

@@ -305,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer.checkpoint import CheckpointCorrupt
+    from megatron_dapo.trainer.run import quiet_libraries
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_libraries()
     args = _parse(argv)
     torch.manual_seed(0)
     try:

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.trainer.run import quiet_libraries
+
+    quiet_libraries()  # before anything imports Megatron-Core, whose fallback notices come at import
     args = parse_args(argv)
     cfg = load_config_cli(args.config, args.overrides)
     if cfg is None:

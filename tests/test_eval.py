@@ -80,7 +80,7 @@ def test_eval_of_a_trainer_checkpoint_equals_the_runs_validation_at_that_step(tm
     assert out["num_prompts"] == 64.0 and out["avg@1"] == out["pass@1"]
 
 
-def test_the_export_of_the_embedded_default_carries_its_tokenizer(tmp_path):
+def test_the_export_of_the_embedded_default_carries_its_tokenizer(tmp_path, capsys):
     """The synthetic task's character vocabulary is written as HF files next to the weights: transformers
     loads the export's tokenizer with the trainer's ids, beside the Qwen2 config.json."""
     from megatron_dapo.config import load_config
@@ -94,6 +94,10 @@ def test_the_export_of_the_embedded_default_carries_its_tokenizer(tmp_path):
         "data.gen_batch_size=null", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
         "data.max_response_length=4", "reward.overlong_buffer.len=2"])
     assert run(cfg) == 0
+    assert "done: 1 steps in " in capsys.readouterr().out
+    assert run(cfg) == 0  # the same run again: resumed at its last step, nothing to train, and it says so
+    assert (f"done: nothing to train, the checkpoint in {tmp_path / 'ex/ckpt'} is at step 1, "
+            "trainer.total_training_steps") in capsys.readouterr().out
     assert convert_main(["mcore-to-hf", "--mcore", str(tmp_path / "ex/ckpt"), "--out", str(tmp_path / "hf")]) == 0
     hf, char = HFTokenizer(str(tmp_path / "hf")), CharTokenizer()
     assert (hf.vocab_size, hf.pad_id, hf.bos_id, hf.eos_id) == (18, 0, 1, 2)

@@ -48,8 +48,19 @@ def _leaf_keys() -> frozenset[str]:
 
 
 def _unknown_key(cls, key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _all_keys(Config), n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    """The closest key that holds a value, first among the keys of the same section (`trainer.foo` is never
+    answered with the section `trainer`); a section with no close key says so."""
+    section, _, leaf = key.rpartition(".")
+    siblings = sorted(k for k in _leaf_keys() if k.rpartition(".")[0] == section)
+    names = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    close = ([f"{section}.{names[0]}"] if names
+             else difflib.get_close_matches(key, sorted(_leaf_keys()), n=1, cutoff=0.75))
+    if close:
+        hint = f"; did you mean {close[0]!r}?"
+    elif siblings:
+        hint = f"; {section} has no key {leaf!r} (docs/configuration.md lists its keys)"
+    else:
+        hint = ""
     return ConfigError(key, f"unknown key{hint}")
 
 

@@ -20,7 +20,7 @@ Output: the verl layout with fixed column types (ground_truth always a str; a fl
 integer is written without ".0"; extra_info.index as a str), i.e. exactly the columns that
 `megatron_dapo.data.dataset.load_prompt_dataset` reads. Exact duplicate rows (same data_source,
 prompt and ground truth) are dropped, first kept: the published DAPO-Math-17k parquet repeats each
-of its ~17.9k problems, and the loader requires unique ids. Two different rows with the same
+of its about 17k problems (1.79M rows), and the loader requires unique ids. Two different rows with the same
 extra_info.index are a bad row (the later one).
 
 Every row is validated; a bad row is reported with its 0-based row number in the input file and

@@ -494,8 +494,10 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_dapo.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    usage = __doc__.split("\n\nParameters (exact", 1)[0]  # the derivation stays in the source, not in --help
+    p = argparse.ArgumentParser(prog="python -m megatron_dapo.plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description=usage + "\n\nHow each term is counted: the docstring of "
+                                                    "megatron_dapo/plan/memory.py and docs/models-and-parallelism.md.")
     p.add_argument("--config", default=None, help="YAML recipe (configs/*.yaml)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
     p.add_argument("--overhead-gb", type=float, default=4.0, help="reserve for CUDA/NCCL/fragmentation, GiB")

@@ -164,6 +164,7 @@ class DAPOTrainer:
     def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         self._resume()
+        self.start_step = self.global_step  # where this process began (the checkpoint's step, or 0)
         if cfg.trainer.val_before_train and self.global_step == 0 and self._val_enabled():
             self._log(self._validate(), step=0)
         while not self._done():

@@ -6,8 +6,10 @@ import atexit
 import gc
 import logging
 import os
+import re
 import sys
 import time
+import warnings
 
 import torch
 
@@ -210,8 +212,25 @@ def _exhausted_hint(cfg: Config) -> str:
             "(the embedded default's configs/tiny_cpu.yaml sets it) or start from a model")
 
 
+def quiet_libraries() -> None:
+    """Keep the log to what a user acts on: Megatron-Core's notices that it falls back from Transformer
+    Engine / Apex (expected on CPU), its deprecation warnings, and its INFO lines (every parameter of every
+    gradient bucket, the DDP and optimizer configs) are dropped; its own warnings and errors stay."""
+    notices = ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated")
+    for text in notices:
+        warnings.filterwarnings("ignore", message=re.escape(text))
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+    # the processes this one starts (the asynchronous checkpoint writer, producers) import Megatron too
+    mine = [f"ignore:{text}" for text in notices]
+    given = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(given + [w for w in mine if w not in given])
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+
+
 def run(cfg: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_libraries()
     t0 = time.time()
     from megatron_dapo.data.dataset import DatasetError
 
@@ -246,7 +265,13 @@ def run(cfg: Config) -> int:
         return cfg.trainer.preemption_exit_code
     if parts.pgs.rank == 0:
         kind = f"queue trainer, {'sync' if trainer.sync_mode else 'async'} mode" if cfg.queue.enable else "sync trainer"
-        print(f"\ndone: {trainer.global_step} steps in {time.time() - t0:.0f} s ({kind})")
+        began = getattr(trainer, "start_step", 0)
+        if began and trainer.global_step == began:  # resumed at its last step: nothing was trained
+            print(f"\ndone: nothing to train, the checkpoint in {cfg.ckpt_dir} is at step {began}, "
+                  f"trainer.total_training_steps (a new run: another trainer.experiment_name)")
+        else:
+            resumed = f", {trainer.global_step - began} of them in this run" if began else ""
+            print(f"\ndone: {trainer.global_step} steps{resumed} in {time.time() - t0:.0f} s ({kind})")
         first_step, first = trainer.first_val or (None, {})
         for k, v in sorted((k, v) for k, v in val.items() if k.startswith("val/")):  # not verl's duplicates
             since = f"  (step {first_step}: {first[k]:.4f})" if k in first and first_step != trainer.global_step else ""

@@ -84,6 +84,12 @@ def test_unknown_key_names_it_and_suggests_the_closest():
     assert e.value.key == "actor.clip_ratio_hgh" and "actor.clip_ratio_high" in str(e.value)
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, ["nosuchsection.x=1"])
+    # a key of a section is answered with a key, never with the section itself
+    with pytest.raises(ConfigError, match="did you mean 'trainer.total_training_steps'"):
+        load_config(None, ["trainer.totl_training_steps=3"])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.foo=1"])
+    assert str(e.value).endswith("unknown key; trainer has no key 'foo' (docs/configuration.md lists its keys)")
 
 
 @pytest.mark.parametrize("override,key", [
