@@ -81,6 +81,9 @@ def _parse(argv):
                                                            "rollout.tensor_model_parallel_size GPUs)")
     p.add_argument("--export-dir", default=None, help="where a trainer checkpoint's HF export goes for launched "
                                                       "servers (default: <step>/hf)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="--engine local: rows per forward (default: the run's rollout.max_num_seqs, as its "
+                        "validation generated; else 64)")
     p.add_argument("--dump", default=None, help="write every sample (prompt uid, sample index, response, score, acc) "
                                                 "to this JSONL file")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the run's validation seed at "
@@ -139,6 +142,8 @@ def _fill_defaults(args, src: Source) -> None:
     for name, default in _DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, from_run.get(name, default))
+    if args.max_batch_size is None:
+        args.max_batch_size = run.rollout.max_num_seqs if run is not None else 64
     if args.seed is None:
         args.seed = run.trainer.seed + src.step if run is not None and src.step is not None else 0
     if args.tokenizer is None:
@@ -148,12 +153,12 @@ def _fill_defaults(args, src: Source) -> None:
 
 
 def _dataset(args, src: Source, tokenizer):
-    """--data, or the run's validation set: the run's arithmetic split for `arithmetic` when the run trained
-    on the synthetic task, else the standard synthetic split."""
+    """--data (`arithmetic`: the standard synthetic split, the same for every model), or without it the run's
+    own validation set."""
     from megatron_dapo.data.build import build_val_dataset
 
     run = src.run
-    if args.data is None or (args.data == "arithmetic" and run is not None and run.data.task == "arithmetic"):
+    if args.data is None:
         data = build_val_dataset(run, tokenizer)
         if data is None:
             raise ValueError(f"{src.config_path}: the run has no validation set (data.val_files is empty); pass --data")
@@ -177,9 +182,8 @@ def _engine(args, src: Source, tokenizer):
         from megatron_dapo.rollout.local_engine import LocalEngine
 
         model, pgs = _local_model(src)
-        batch = src.run.rollout.max_num_seqs if src.run is not None else 64  # the run's engine batch
         yield LocalEngine(model, pgs=pgs, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                          max_batch_size=batch)
+                          max_batch_size=args.max_batch_size)
         return
     from megatron_dapo.rollout.sglang.build import connect, launch_sglang
 

@@ -2,8 +2,9 @@
 
 A randomly initialised model never answers the arithmetic task right, so every group would have a
 constant accuracy and dynamic sampling would have nothing to keep. A few NLL steps on correct
-answers give a policy that is sometimes right. The warmed-up weights are cached in the run
-directory, keyed by everything that determines them, so a re-run skips the warm-up.
+answers give a policy that is sometimes right. The warmed-up weights are cached under
+`trainer.output_dir/sft_warmup/<key>`, the key a hash of everything that determines them, so a re-run, or a
+new `trainer.experiment_name` with the same warm-up settings, skips it.
 
 How far to go: the tiny model learns to carry and borrow in a sharp phase (held-out accuracy goes
 0.1 -> 0.9 within a few hundred steps), and DAPO lifts a policy that is sometimes right but cannot find
@@ -121,7 +122,8 @@ def sft_warmup(actor, examples, cfg, *, pad_id: int, rank: int, probe=None) -> d
     steps = cfg.trainer.sft_warmup_steps
     if steps <= 0:
         return {}
-    cache_dir = os.path.join(cfg.run_dir, "sft_warmup", _cache_key(cfg, len(examples)))
+    # beside the experiments, not inside one: every experiment of the output directory shares it
+    cache_dir = os.path.join(cfg.trainer.output_dir, "sft_warmup", _cache_key(cfg, len(examples)))
     path = os.path.join(cache_dir, f"model_rank{rank}.pt")
     chunks = [unwrap_model(c) for c in actor.policy.chunks]
     if os.path.exists(path):

@@ -90,7 +90,8 @@ def _eval(model: str, capsys, *extra: str) -> dict:
 
 def test_eval_reads_the_trainer_checkpoint_and_its_export_alike(dense, tmp_path, capsys):
     _export(dense / "runs/exp/ckpt/global_step_3", tmp_path / "hf", capsys)
-    from_ckpt = _eval(str(dense / "runs/exp/ckpt/global_step_3"), capsys)
+    # the same engine batch for both (a checkpoint's default is its run's rollout.max_num_seqs)
+    from_ckpt = _eval(str(dense / "runs/exp/ckpt/global_step_3"), capsys, "--max-batch-size", "64")
     from_hf = _eval(str(tmp_path / "hf"), capsys, "--tokenizer", "builtin:char")
     # Greedy decoding of the same fp32 weights in the same engine: the same answers.
     assert from_ckpt == from_hf and from_ckpt["num_prompts"] == 128.0

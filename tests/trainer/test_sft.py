@@ -33,9 +33,11 @@ def test_warmup_lowers_the_nll_and_a_rerun_loads_the_cached_weights(tmp_path):
     after = parts.actor.supervised_step(sft._batch(examples[:64], parts.tokenizer.pad_id), lr=0.0)
     assert after["actor/pg_loss"] < 0.7 * first["actor/pg_loss"]
     warmed = _weights(parts.actor)
-    _, again = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0",
-                      "trainer.sft_warmup_batch_size=16")
-    assert sft.sft_warmup(again.actor, examples, cfg, pad_id=again.tokenizer.pad_id, rank=0) == {"sft/cached": 1.0}
+    # another experiment in the same output directory, with the same warm-up settings, starts from the cache
+    other, again = _parts(tmp_path, "trainer.sft_warmup_steps=30", "trainer.sft_warmup_target_acc=0",
+                          "trainer.sft_warmup_batch_size=16", "trainer.experiment_name=another")
+    assert other.run_dir != cfg.run_dir
+    assert sft.sft_warmup(again.actor, examples, other, pad_id=again.tokenizer.pad_id, rank=0) == {"sft/cached": 1.0}
     assert torch.equal(_weights(again.actor), warmed)
     parts.reward_manager.close()
     again.reward_manager.close()
