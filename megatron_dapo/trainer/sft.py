@@ -149,7 +149,7 @@ def sft_warmup(actor, examples, cfg, *, pad_id: int, rank: int, probe=None) -> d
             next_probe = done + next_probe_gap(acc, target, batch_size)
     actor.reset_optimizer_state()
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # two experiments of one output directory may write it at once
     torch.save([c.state_dict() for c in chunks], tmp)
     os.replace(tmp, path)
     out = {"sft/nll": metrics.get("actor/pg_loss", 0.0), "sft/steps": float(done)}  # REINFORCE, A = 1: the NLL
