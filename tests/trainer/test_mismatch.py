@@ -63,3 +63,15 @@ def test_a_server_without_the_actors_weights_stops_the_run_at_step_1(tmp_path, c
         assert run(cfg) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training error:")]
     assert len(err) == 1 and "step 1: token_mult_prob_error=" in err[0], err
+
+
+def test_the_kl_estimate_at_round_off_agreement_is_its_closed_form_not_cancellation_noise():
+    """|log r| ~ 1e-6 (fp32 actor vs fp32 server): r - log r - 1 = x^2/2 + x^3/6 + ... ~ 5e-13, where float32
+    exp(x) - x - 1 gives +-1e-7 of noise, negative as often as not (it failed the real-server test once)."""
+    actor = torch.full((2, 3), -2.0)
+    engine = actor - torch.tensor([[1e-6, -2e-6, 3e-6], [0.0, 1e-6, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    x = (actor.double() - engine.double())[mask.bool()]  # the float32 inputs' exact differences
+    want = sum(math.expm1(v) - v for v in x.tolist()) / 5
+    got = mismatch_metrics(actor, engine, mask)["rollout_corr/mismatch_kl"]
+    assert got >= 0 and got == pytest.approx(want, rel=1e-9) and 1e-13 < got < 1e-11
