@@ -16,15 +16,18 @@ answered when its longest response would end on KV-bound servers (`ReplayServer.
 volume). The client therefore parses replies while later ones are still being generated, as in a run.
 
 Every rank runs the trainer's own path: rank 0's `SGLangEngine` (the real client) behind `RankZeroEngine`,
-`stages.generate` (the batch reaches every rank), `stages.score` (each rank decodes its rows with an HF fast
-tokenizer, the project's character vocabulary, and scores them),
+`stages.generate` with the sync trainer's callback (rank 0 decodes each group with an HF fast tokenizer, the
+project's character vocabulary, and scores it as its reply arrives, beside generation), `stages.score_streamed`
+(the scores reach every rank; `BENCH_SCORE_AFTER=1`: the previous path, every rank scoring its share of the rows
+after generation with `stages.score`),
 `GroupBuffer` (dynamic sampling, a third of the prompts trained as in the recipe's 512 of 1,536) and
 `share_kept_rows` (the training batch on every rank). Per phase it prints:
 
 - serial seconds after the last reply (every GPU would wait): until rank 0's engine returned the batch, the
   batch on every rank, scored, dynamic sampling, the training batch on every rank;
-- `score_local_s`: the slowest rank's own decode and reward seconds, the one part that divides by the
-  ranks: `serial_s_at_128_ranks` is the serial time with that part at the recipe's 128 ranks;
+- `score_local_s`: the slowest rank's own decode and reward seconds after generation (with
+  `BENCH_SCORE_AFTER=1` the one part that divides by the ranks: `serial_s_at_128_ranks` is the serial time
+  with that part at the recipe's 128 ranks); `score_beside_generation_s`: rank 0's scoring during generation;
 - `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
   read, parse, row building; Python holds the GIL for nearly all of it);
 - peak resident memory above the start of the batch, per rank, beside the planner's figure for the same
@@ -251,7 +254,7 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
     from megatron_dapo.rollout.rank0 import RankZeroEngine
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.trainer import stages
-    from megatron_dapo.trainer.dynamic_sampling import GroupBuffer
+    from megatron_dapo.trainer.dynamic_sampling import GroupBuffer, StopWhenFull
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
@@ -324,23 +327,37 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         dist.barrier(group=group)
         rss = PeakRSS(0.005).start()
         if rank == 0:  # when rank 0's engine has the whole batch, before it goes to the other ranks
-            generate_batch = engine.generate_batch
-
-            def marked(*a, **k):
-                batch = generate_batch(*a, **k)
-                marks["engine_batch"] = time.time()
-                return batch
-            engine.generate_batch = marked
+            def marking(call):
+                def marked(*a, **k):
+                    batch = call(*a, **k)
+                    marks["engine_batch"] = time.time()
+                    return batch
+                return marked
+            engine.generate_batch = marking(engine.generate_batch)
+            engine.generate_batch_streaming = marking(engine.generate_batch_streaming)
         marks["start"] = time.time()
-        rollout = stages.generate(driver, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len)
+        # As fit._collect on SGLang servers: rank 0 scores each group as its reply arrives (the callback),
+        # the reward stage after generation reuses those scores. The old path (every rank scores its rows
+        # after generation) stays for comparison: BENCH_SCORE_AFTER=1.
+        after = os.environ.get("BENCH_SCORE_AFTER") == "1" or not hasattr(StopWhenFull, "scoring_only")
+        stop = None if after else StopWhenFull.scoring_only(metric="acc", score_groups=stages.group_scorer(
+            records, group_suffix="1.0", n=N, tokenizer=tokenizer, reward_manager=rm))
+        rollout = stages.generate(driver, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len,
+                                  on_groups_done=stop)
         marks["batch_on_every_rank"] = time.time()
+        beside = local[0]  # scoring done during generation (rank 0's callback): not serial
+        local[0] = 0.0
         profile = None
         if os.environ.get("BENCH_PROFILE"):  # where the serial seconds after generation go, per rank
             import cProfile
 
             profile = cProfile.Profile()
             profile.enable()
-        scored = stages.score(rollout, records, n=N, tokenizer=tokenizer, reward_manager=rm, group=group)
+        if stop is None:
+            scored = stages.score(rollout, records, n=N, tokenizer=tokenizer, reward_manager=rm, group=group)
+        else:
+            scored = stages.score_streamed(rollout, records, stop.scored, n=N, tokenizer=tokenizer, reward_manager=rm,
+                                           group=group)
         marks["scored"] = time.time()
         buffer.add(scored)
         batch, _ = buffer.take()
@@ -352,7 +369,8 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
             profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"rank{rank}.prof"))
         peak = rss.stop()
     result = {"rank": rank, "peak_gib": peak / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
-              "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0], "last_reply": max(replies) if replies else None,
+              "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0],
+              "score_beside_s": beside, "scored_after": stop is None, "last_reply": max(replies) if replies else None,
               "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -416,6 +434,8 @@ def _run(rows: int, args) -> dict:
             "mean_response_tokens": ranks[0]["real_tokens"] / rows, "train_rows": ranks[0]["train_rows"],
             "serial_s_after_last_reply": round(prev - last, 3), "phases_s": phases,
             "score_local_s": round(max(rk["score_local_s"] for rk in ranks), 3),
+            "score_beside_generation_s": round(ranks[0].get("score_beside_s", 0.0), 2),
+            "scored_after_generation": ranks[0].get("scored_after", True),
             "generation_s": round(last - ranks[0]["marks"]["start"], 1),
             "gil_s_in_trainer": round(ranks[0]["client_cpu_s"], 2),
             "rank0_peak_gib": round(ranks[0]["peak_gib"], 3),
@@ -480,8 +500,9 @@ def main() -> None:
                                                "other_rank_peak_gib", "score_local_s")}
     # Each rank decodes and scores rows / world rows: at the recipe's 128 ranks that share is 4 / 128 of this
     # run's; every other phase is rank 0's work or a collective over all rows, kept as measured.
-    full["serial_s_at_128_ranks"] = round(full["serial_s_after_last_reply"]
-                                          - full["score_local_s"] * (1 - WORLD / RECIPE_WORLD), 2)
+    # Scored beside generation (the trainer's path on SGLang), what is left after it is rank 0's: nothing divides.
+    share = (1 - WORLD / RECIPE_WORLD) if a["scored_after_generation"] else 0.0
+    full["serial_s_at_128_ranks"] = round(full["serial_s_after_last_reply"] - full["score_local_s"] * share, 2)
     phases = extrapolate_phases(a, b, PHASES)
     print(f"extrapolated to {FULL_ROWS} rows: {full}, phases {phases}")
     print(json.dumps({"trainer": "sync", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,

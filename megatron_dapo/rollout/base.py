@@ -18,7 +18,10 @@ callback `on_groups_done(groups)` that the engine calls whenever groups complete
 prompt ended with "stop" or "length"), with those groups as lists of n Samples. Once it returns True
 the engine stops: the samples of every group not complete come back with finish_reason "abort"
 (the tokens sampled so far, or none). Streaming dynamic sampling stops a generation batch this way as
-soon as it holds enough informative groups.
+soon as it holds enough informative groups. `generate_batch_streaming` is the same call for the tensor
+record: its callback receives the completed groups as one ragged `RolloutBatch` (n rows per group,
+prompt-major), so an engine that receives replies as tensors never builds Python samples for it; the sync
+trainer scores each group this way while the rest of the batch is still generated.
 
 Seeds: when `SamplingParams.seed` is set, sample j of prompt `pid` uses
 `derive_sample_seed(seed, pid, j)`, a stable hash that does not depend on batching or on the order
@@ -242,6 +245,10 @@ def check_generate_output(
 GroupsDone = Callable[[list[list["Sample"]]], bool]
 """on_groups_done(groups) -> stop: groups that just completed, each its n Samples in sample order."""
 
+BatchGroupsDone = Callable[["RolloutBatch"], bool]
+"""on_groups_done(batch) -> stop: the groups that just completed as one ragged RolloutBatch (n rows per
+group, prompt-major, every row present)."""
+
 
 class RolloutEngine(abc.ABC):
     """What the trainer needs from an inference engine.
@@ -274,9 +281,14 @@ class RolloutEngine(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support streaming generation")
 
     def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
-                                 max_response_length: int, on_groups_done: GroupsDone) -> RolloutBatch:
-        """`generate_streaming`, as the tensor record (see `generate_batch`)."""
-        return samples_to_ragged(self.generate_streaming(prompts, sampling, on_groups_done=on_groups_done),
+                                 max_response_length: int, on_groups_done: BatchGroupsDone) -> RolloutBatch:
+        """`generate_streaming`, as the tensor record (see `generate_batch`); the callback gets the completed
+        groups as a ragged batch (module docstring, Streaming)."""
+        def report(groups: list[list[Sample]]) -> bool:
+            return on_groups_done(samples_to_ragged([s for g in groups for s in g], n=sampling.n, pad_id=pad_id,
+                                                    max_response_length=max_response_length))
+
+        return samples_to_ragged(self.generate_streaming(prompts, sampling, on_groups_done=report),
                                  n=sampling.n, pad_id=pad_id, max_response_length=max_response_length)
 
     @abc.abstractmethod
@@ -403,6 +415,15 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
         meta=[dict(m) for m in meta],
         routed_experts=list(routed_experts) if any(r is not None for r in routed_experts) else None,
     )
+
+
+def rows_to_ragged(prompts: Sequence[PromptInput], n: int, rows: Sequence[BatchRow], *, pad_id: int,
+                   max_response_length: int) -> RolloutBatch:
+    """`ragged_batch` of an engine's BatchRows (prompt-major, n per prompt)."""
+    return ragged_batch(prompts, n, [r.tokens for r in rows], [r.log_probs for r in rows],
+                        finish_reason=[r.finish_reason for r in rows], policy_version=[r.policy_version for r in rows],
+                        meta=[r.meta for r in rows], routed_experts=[r.routed_experts for r in rows], pad_id=pad_id,
+                        max_response_length=max_response_length)
 
 
 def samples_to_ragged(samples: Sequence[Sample], *, n: int, pad_id: int, max_response_length: int) -> RolloutBatch:

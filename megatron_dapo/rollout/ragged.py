@@ -75,7 +75,13 @@ class RaggedRows:
     def index_select(self, rows: Tensor) -> RaggedRows:
         rows = torch.as_tensor(rows, dtype=torch.long)
         keep = self.present[rows]
-        starts, lengths = self._offsets()[rows][keep].tolist(), self.lengths[rows][keep].tolist()
+        starts_t, lengths_t = self._offsets()[rows][keep], self.lengths[rows][keep]
+        if len(starts_t) and bool((starts_t[1:] == starts_t[:-1] + lengths_t[:-1]).all()):
+            # Rows stored one after the other (a batch trimmed to its first rows): a view, no copy.
+            first = int(starts_t[0])
+            values = self.values[first:first + int(lengths_t.sum())]
+            return RaggedRows(values, self.lengths[rows].clone(), keep, self.width, self.fill)
+        starts, lengths = starts_t.tolist(), lengths_t.tolist()
         pieces = [self.values[s:s + n] for s, n in zip(starts, lengths, strict=True)]
         values = torch.cat(pieces) if pieces else self.values[:0]
         return RaggedRows(values, self.lengths[rows].clone(), keep, self.width, self.fill)
@@ -125,6 +131,20 @@ def to_dense(batch):
     T = fields["responses"].shape[1]
     mask = (torch.arange(T).unsqueeze(0) < batch.response_length.unsqueeze(1)).to(torch.float32)
     return dataclasses.replace(batch, response_mask=mask, **fields)
+
+
+def without_tokens(batch):
+    """A ragged `batch` holding no row's token entries (every ragged field's rows absent, lengths kept; no
+    routing): what a record of per-row values keeps of the rows it was computed from."""
+    if not is_ragged(batch):
+        raise TypeError("without_tokens: the batch is dense")
+    absent = torch.zeros(len(batch), dtype=torch.bool)
+    fields = {}
+    for name in RAGGED_FIELDS:
+        rows: RaggedRows = getattr(batch, name)
+        # new_empty, not values[:0]: a view would keep the tokens' storage alive
+        fields[name] = RaggedRows(rows.values.new_empty(0), rows.lengths, absent, rows.width, rows.fill)
+    return dataclasses.replace(batch, routed_experts=None, **fields)
 
 
 def share_kept_rows(batch, *, group=None):

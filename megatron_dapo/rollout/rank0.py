@@ -19,7 +19,9 @@ Wire format of one generation batch (B rows, world ranks in the group), from ran
                                   any vocabulary and moves a third fewer bytes than int64 + float32)
     log_probs       [N_k] float32
 Every rank returns the batch with ragged token fields (rollout/ragged.py): rank 0 every row, rank k
-its own rows, so its host memory follows rows / world and their real tokens. Prompts are not sent:
+its own rows, so its host memory follows rows / world and their real tokens. A streaming call sends no
+tokens at all: rank 0 scores every group as it completes (trainer/stages.py, `score_streamed`), so the
+other ranks hold no row until `share_kept_rows` gives them the kept ones. Prompts are not sent:
 every rank holds the same prompts (the sampler is deterministic), so each rank rebuilds prompt ids,
 prompt lengths, sample indices and group ids itself.
 """
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_dapo.rollout.base import (
     FINISH_REASONS,
-    GroupsDone,
+    BatchGroupsDone,
     PromptInput,
     RolloutBatch,
     RolloutEngine,
@@ -84,24 +86,25 @@ def shard_tokens(batch: RolloutBatch, rank: int, world: int) -> dict[str, torch.
 
 
 def decode_batch(wire: dict[str, torch.Tensor], prompts: Sequence[PromptInput], n: int, *, pad_id: int,
-                 max_response_length: int, rank: int = 0, world: int = 1) -> RolloutBatch:
-    """The ragged RolloutBatch of rank `rank` from the wire tensors (its own rows' tokens) and this rank's
-    copy of the prompts."""
+                 max_response_length: int, rank: int = 0, world: int = 1, present: bool = True) -> RolloutBatch:
+    """The ragged RolloutBatch of rank `rank` from the wire tensors (its own rows' tokens, or none with
+    present False) and this rank's copy of the prompts."""
     lengths = wire["response_length"]
     B = lengths.numel()
     if B != len(prompts) * n:
         raise DriverError(f"rank 0 sent {B} rows for {len(prompts)} prompts x n={n}")
     prompt_ids = prompt_rows(prompts, n, pad_id)
     prompt_length = prompt_ids.lengths.clone()
-    present = torch.zeros(B, dtype=torch.bool)
-    present[rows_of(rank, world, B)] = True
+    held = torch.zeros(B, dtype=torch.bool)
+    if present:
+        held[rows_of(rank, world, B)] = True
     finish = [FINISH_REASONS[int(i)] for i in wire["finish"]]
     meta_text = _text(wire["meta"])
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_length=prompt_length,
-        responses=RaggedRows(wire["tokens"], lengths.clone(), present, max_response_length, pad_id),
+        responses=RaggedRows(wire["tokens"], lengths.clone(), held, max_response_length, pad_id),
         response_mask=None,
-        rollout_log_probs=RaggedRows(wire["log_probs"], lengths.clone(), present.clone(), max_response_length, 0.0),
+        rollout_log_probs=RaggedRows(wire["log_probs"], lengths.clone(), held.clone(), max_response_length, 0.0),
         response_length=lengths.clone(), sample_index=torch.arange(B, dtype=torch.int64) % n,
         policy_version=wire["policy_version"].clone(), aborted=torch.tensor([f == "abort" for f in finish]),
         finish_reason=finish, index=[p.prompt_id for p in prompts for _ in range(n)],
@@ -112,9 +115,10 @@ _ORDER = ("response_length", "policy_version", "finish", "meta")
 
 
 def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, rank: int, prompts, n: int,
-                    pad_id: int, max_response_length: int) -> RolloutBatch:
+                    pad_id: int, max_response_length: int, shard: bool = True) -> RolloutBatch:
     """Rank 0 passes its batch (or the error text), every other rank None; all return their ragged batch
-    (module docstring) or raise the same DriverError."""
+    (module docstring) or raise the same DriverError. shard False: no tokens leave rank 0 (the other ranks'
+    batches hold no row)."""
     src = dist.get_global_rank(group, 0)
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if rank == src:
@@ -142,10 +146,14 @@ def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, ran
             dist.broadcast(wire[key], src=src, group=group)
     if rank == src:  # every rank's rows at once: the sends to different ranks overlap
         sends = [dist.isend(t, dst=dist.get_global_rank(group, k), group=group)
-                 for k in range(1, world) for t in shard_tokens(batch, k, world).values() if t.numel()]
+                 for k in range(1, world) if shard for t in shard_tokens(batch, k, world).values() if t.numel()]
         for work in sends:
             work.wait()
         return batch
+    if not shard:
+        wire["tokens"], wire["log_probs"] = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        return decode_batch(wire, prompts, n, pad_id=pad_id, max_response_length=max_response_length, rank=me,
+                            world=world, present=False)
     n_mine = int(wire["response_length"][rows_of(me, world, B)].sum())
     wire["tokens"] = torch.empty(n_mine, dtype=WIRE_TOKEN_DTYPE)
     wire["log_probs"] = torch.empty(n_mine, dtype=torch.float32)
@@ -201,21 +209,22 @@ class RankZeroEngine(RolloutEngine):
             prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
 
     def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
-                                 max_response_length: int, on_groups_done: GroupsDone) -> RolloutBatch:
+                                 max_response_length: int, on_groups_done: BatchGroupsDone) -> RolloutBatch:
         """The driven engine's streaming call; `on_groups_done` runs on rank 0 only (the stop is decided
-        once), the other ranks receive the batch it produced."""
+        once, and the groups are scored there), the other ranks receive the batch it produced without its
+        tokens (module docstring)."""
         return self._batch_from_rank0(
             lambda: self.engine.generate_batch_streaming(prompts, sampling, pad_id=pad_id,
                                                          max_response_length=max_response_length,
                                                          on_groups_done=on_groups_done),
-            prompts, sampling, pad_id=pad_id, max_response_length=max_response_length)
+            prompts, sampling, pad_id=pad_id, max_response_length=max_response_length, shard=False)
 
     @property
     def supports_streaming(self) -> bool:  # known on rank 0 only; the config check is per rollout.engine
         return self.engine is not None and self.engine.supports_streaming
 
     def _batch_from_rank0(self, call, prompts, sampling: SamplingParams, *, pad_id: int,
-                          max_response_length: int) -> RolloutBatch:
+                          max_response_length: int, shard: bool = True) -> RolloutBatch:
         check_generate_inputs(prompts, sampling)
         batch, error = None, None
         if self.rank == 0:
@@ -233,7 +242,7 @@ class RankZeroEngine(RolloutEngine):
         if self.world_size == 1:
             return batch
         return broadcast_batch(batch, None, group=self.group, rank=self.rank, prompts=prompts, n=sampling.n,
-                               pad_id=pad_id, max_response_length=max_response_length)
+                               pad_id=pad_id, max_response_length=max_response_length, shard=shard)
 
     def generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams) -> list[Sample]:
         """Python samples on every rank (small calls only: the trainer uses generate_batch)."""

@@ -106,6 +106,13 @@ def concat_scored(batches: list[ScoredBatch], *, pad_id: int) -> ScoredBatch:
     return batches[0] if len(batches) == 1 else _concat(batches, pad_id)
 
 
+def concat_rollouts(batches: list, *, pad_id: int):
+    """One RolloutBatch of several (ragged or dense), rows in order."""
+    if not batches:
+        raise ValueError("concat_rollouts: no batches")
+    return batches[0] if len(batches) == 1 else _concat(batches, pad_id)
+
+
 def token_level(values: Tensor, response_length: Tensor, width: int) -> Tensor:
     """[B] sequence values placed on each row's last response token -> [B, T] (0 elsewhere)."""
     out = torch.zeros(values.shape[0], width, dtype=torch.float32)

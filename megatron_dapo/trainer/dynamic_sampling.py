@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from megatron_dapo.algos.dynamic_sampling import select_informative_groups
-from megatron_dapo.rollout.base import RolloutBatch, Sample
-from megatron_dapo.rollout.ragged import RAGGED_FIELDS, RaggedRows, to_ragged
-from megatron_dapo.trainer.batch import ScoredBatch, concat_scored, select_rows
+from megatron_dapo.rollout.base import RolloutBatch
+from megatron_dapo.rollout.ragged import RAGGED_FIELDS, RaggedRows, to_ragged, without_tokens
+from megatron_dapo.trainer.batch import ScoredBatch, concat_rollouts, concat_scored, select_rows
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -181,29 +181,55 @@ class GroupBuffer:
 
 
 class StopWhenFull:
-    """The streaming stop callback (`RolloutEngine.generate_streaming`): True once `need` informative groups
-    are complete. score_groups(groups) -> ScoredBatch scores complete groups (on the calling rank only).
+    """The streaming callback (`RolloutEngine.generate_batch_streaming`): scores complete groups as they come
+    and, with a `need`, says stop once `need` informative groups are complete. score_groups(batch) ->
+    ScoredBatch scores a ragged batch of complete groups (on the calling rank only).
 
-    Groups wait unscored while even all of them together could not meet the need: the answer is the same,
-    with fewer reward calls (the first ones of a generation batch cannot stop it)."""
+    need None (`StopWhenFull.scoring_only`): never stops; every group is scored as soon as it completes, so
+    the sync trainer's scoring runs beside generation instead of after it (rank 0 is otherwise idle while
+    the servers generate). A reward error there is not raised into the engine: the group stays unscored and
+    `stages.score_streamed` scores it again after generation, where the error reaches every rank.
 
-    def __init__(self, *, need: int, metric: str, score_groups: Callable[[list[list[Sample]]], ScoredBatch]):
+    With a need, groups wait unscored while even all of them together could not meet it: the answer is the
+    same, with fewer reward calls (the first ones of a generation batch cannot stop it)."""
+
+    def __init__(self, *, need: int | None, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch]):
         self.need, self.metric, self.score_groups = need, metric, score_groups
         self.informative = 0
-        self.pending: list[list[Sample]] = []
+        self.pending: list[RolloutBatch] = []
         self.scored: dict[str, tuple[ScoredBatch, int]] = {}
         """{group id: (the ScoredBatch that holds it, its first row)}: what the reward stage reuses
         (stages.score_streamed), so a complete group is scored once."""
 
-    def __call__(self, groups: list[list[Sample]]) -> bool:
-        self.pending += groups
-        if self.informative + len(self.pending) < self.need:
+    @classmethod
+    def scoring_only(cls, *, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch]) -> StopWhenFull:
+        return cls(need=None, metric=metric, score_groups=score_groups)
+
+    def __call__(self, done: RolloutBatch) -> bool:
+        if self.need is None:
+            try:
+                self._score(done)
+            except Exception:  # noqa: BLE001 - scored again after generation, where it raises on every rank
+                pass
             return False
-        scored, groups, self.pending = self.score_groups(self.pending), self.pending, []
-        for g, group in enumerate(groups):
-            self.scored[group[0].prompt_id] = (scored, g * len(group))
-        self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
+        self.pending.append(done)
+        if self.informative + sum(len(set(b.index)) for b in self.pending) < self.need:
+            return False
+        pending, self.pending = self.pending, []
+        self._score(concat_rollouts(pending, pad_id=0))  # ragged rows: no padding is made
         return self.informative >= self.need
+
+    def _score(self, batch: RolloutBatch) -> None:
+        scored = self.score_groups(batch)
+        # Kept until the reward stage reads its values: not the tokens, which the generation batch holds too.
+        scored = dataclasses.replace(scored, rollout=without_tokens(scored.rollout))
+        first_row: dict[str, int] = {}
+        for row, gid in enumerate(batch.index):
+            first_row.setdefault(gid, row)
+        for gid, first in first_row.items():
+            self.scored[gid] = (scored, first)
+        if self.need is not None:
+            self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
 
 
 def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]]:

@@ -224,7 +224,7 @@ class DAPOTrainer:
             k = self.buffer.num_gen_batches
             drawn = p.sampler.next_batch()
             records = [p.train_data[i] for i in drawn]
-            stop = self._stop_when_full(records, f"{step}.{k}") if cfg.algorithm.filter_groups.streaming else None
+            stop = self._streaming_callback(records, f"{step}.{k}")
             with timer("gen"):
                 rollout = stages.generate(p.engine, records, sampling(k), group_suffix=f"{step}.{k}",
                                           pad_id=p.tokenizer.pad_id, max_response_length=cfg.data.max_response_length,
@@ -235,7 +235,8 @@ class DAPOTrainer:
             if stopping and not cfg.algorithm.filter_groups.enable:  # nothing kept: the batch is drawn again
                 p.sampler.push_front(drawn)
                 rollout, records = None, []
-            elif stop is not None or stopping:  # cut groups leave the batch; their prompts go back to the sampler
+            elif cfg.algorithm.filter_groups.streaming or stopping:  # cut groups leave the batch; their prompts
+                # go back to the sampler
                 rollout, records, cut = self._keep_finished(rollout, records, drawn)
             scored = None
             if records:
@@ -264,14 +265,19 @@ class DAPOTrainer:
         self._inflight_parts = 0
         return batch, metrics
 
-    def _stop_when_full(self, records, group_suffix: str) -> StopWhenFull:
-        """The streaming stop of one generation batch: complete once the groups the step still needs are in."""
+    def _streaming_callback(self, records, group_suffix: str) -> StopWhenFull | None:
+        """The engine's callback for one generation batch, or None: with streaming dynamic sampling, the
+        stop once the groups the step still needs are in; on SGLang servers without it, scoring each group
+        on rank 0 as it completes (the servers generate the rest meanwhile), which never stops the batch."""
         cfg, p = self.cfg, self.p
-        return StopWhenFull(need=self.buffer.needed, metric=cfg.algorithm.filter_groups.metric,
-                            score_groups=stages.group_scorer(
-                                records, group_suffix=group_suffix, n=cfg.rollout.n, tokenizer=p.tokenizer,
-                                reward_manager=p.reward_manager, pad_id=p.tokenizer.pad_id,
-                                max_response_length=cfg.data.max_response_length))
+        scorer = stages.group_scorer(records, group_suffix=group_suffix, n=cfg.rollout.n, tokenizer=p.tokenizer,
+                                     reward_manager=p.reward_manager)
+        metric = cfg.algorithm.filter_groups.metric
+        if cfg.algorithm.filter_groups.streaming:
+            return StopWhenFull(need=self.buffer.needed, metric=metric, score_groups=scorer)
+        if cfg.rollout.engine == "sglang":
+            return StopWhenFull.scoring_only(metric=metric, score_groups=scorer)
+        return None
 
     def _keep_finished(self, rollout, records, drawn: list[int]):
         """The complete groups' rows and records, and how many were cut; the cut prompts go back to the front

@@ -21,7 +21,6 @@ from megatron_dapo.rollout.base import (
     PromptInput,
     RolloutEngine,
     SamplingParams,
-    samples_to_ragged,
 )
 from megatron_dapo.rollout.ragged import RaggedRows
 from megatron_dapo.trainer.batch import ScoredBatch, token_level
@@ -137,11 +136,12 @@ def _scored_batch(rollout, rows: Sequence[PromptRecord], parts) -> ScoredBatch:
 
 def score_streamed(rollout, records: Sequence[PromptRecord], scored: dict[str, tuple[ScoredBatch, int]], *, n: int,
                    tokenizer, reward_manager, group=None) -> ScoredBatch:
-    """`score` for a streaming generation batch of complete groups, reusing the scores the stop callback
-    computed: scored = {group id: (its ScoredBatch, first row of the group in it)}, filled on the rank
-    that ran the callback (rank 0 of `group`). That rank scores only the groups the callback did not
-    (reported after the stop, or left pending), then sends every row's values to the other ranks, so each
-    complete group is scored once. An error raises RewardScoringError on every rank."""
+    """`score` for a streaming generation batch of complete groups, reusing the scores the streaming
+    callback computed: scored = {group id: (its ScoredBatch, first row of the group in it)}, filled on the
+    rank that ran the callback (rank 0 of `group`). That rank scores only the groups the callback did not
+    (reported after a stop, left pending, or whose reward failed), then sends every row's values, not the
+    texts, to the other ranks (their response_text is "", as with `score`), so each complete group is
+    scored once. An error raises RewardScoringError on every rank."""
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     parts, error = None, None
@@ -153,9 +153,11 @@ def score_streamed(rollout, records: Sequence[PromptRecord], scored: dict[str, t
                 raise
             error = f"{type(e).__name__}: {e}"
     if world > 1:
-        box = [(parts, error)]
+        box = [([(rows, values, None) for rows, values, _ in parts or []], error)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        parts, error = box[0]
+        if rank != 0:
+            parts = [(rows, values, [""] * len(rows)) for rows, values, _ in box[0][0]]
+        error = box[0][1]
     if error is not None:
         raise RewardScoringError(f"reward scoring failed on rank 0: {error}")
     return _scored_batch(rollout, [records[i // n] for i in range(len(rollout))], parts)
@@ -187,17 +189,14 @@ def _streamed_parts(rollout, records, scored, *, n: int, tokenizer, reward_manag
     return parts
 
 
-def group_scorer(records: Sequence[PromptRecord], *, group_suffix: str, n: int, tokenizer, reward_manager,
-                 pad_id: int, max_response_length: int):
-    """score_groups(groups) -> ScoredBatch for the streaming stop: complete groups (lists of n Samples) of
-    `records`, scored on the calling rank alone."""
+def group_scorer(records: Sequence[PromptRecord], *, group_suffix: str, n: int, tokenizer, reward_manager):
+    """score_groups(batch) -> ScoredBatch for the streaming callback: a ragged batch of complete groups (n
+    rows each, prompt-major) of `records`, scored on the calling rank alone."""
     by_id = {group_id(r, group_suffix): r for r in records}
 
-    def score_groups(groups):
-        rollout = samples_to_ragged([s for g in groups for s in g], n=n, pad_id=pad_id,
-                                    max_response_length=max_response_length)
-        return score(rollout, [by_id[g[0].prompt_id] for g in groups], n=n, tokenizer=tokenizer,
-                     reward_manager=reward_manager)
+    def score_groups(rollout):
+        return score(rollout, [by_id[rollout.index[g]] for g in range(0, len(rollout), n)], n=n,
+                     tokenizer=tokenizer, reward_manager=reward_manager)
 
     return score_groups
 

@@ -1,6 +1,7 @@
 """torchrun --nproc_per_node 2 (see test_rank0.py): rank 0 drives a slow engine while the default group's
 timeout is 3 s; the batch reaches rank 1 as tensors; an engine error reaches both ranks; rewards scored
-once (sharded, gathered) are equal on both ranks even when rank 1's reward calls time out."""
+once (sharded, gathered) are equal on both ranks even when rank 1's reward calls time out; a streaming
+batch is scored on rank 0 as its groups complete and reaches rank 1 without tokens."""
 
 import datetime
 import os
@@ -17,13 +18,16 @@ from megatron_dapo.rollout.base import PromptInput, RolloutEngine, Sample, Sampl
 from megatron_dapo.rollout.ragged import share_kept_rows
 from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import stages
+from megatron_dapo.trainer.dynamic_sampling import StopWhenFull
 
 
 class SlowEngine(RolloutEngine):
     """Rank 0's engine: sleeps past the default group's timeout, then answers (or raises)."""
 
-    def __init__(self, delay_s: float, fail: bool = False):
-        self.delay_s, self.fail = delay_s, fail
+    supports_streaming = True
+
+    def __init__(self, delay_s: float, fail: bool = False, abort_all: bool = True):
+        self.delay_s, self.fail, self.abort_all = delay_s, fail, abort_all
 
     def generate(self, prompts, sampling):
         time.sleep(self.delay_s)
@@ -33,12 +37,23 @@ class SlowEngine(RolloutEngine):
         for p in prompts:
             for j in range(sampling.n):
                 L = (len(p.token_ids) * 3 + j) % sampling.max_new_tokens
-                reason = "abort" if j == 2 else ("length" if L == sampling.max_new_tokens else "stop")
+                aborted = j == 2 and (self.abort_all or p is prompts[0])
+                reason = "abort" if aborted else ("length" if L == sampling.max_new_tokens else "stop")
                 out.append(Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
                                   response_token_ids=tuple(range(3, 3 + L)),
                                   rollout_log_probs=tuple(-0.1 * (k + 1) for k in range(L)), finish_reason=reason,
                                   policy_version=7, meta={"spec_verify_ct": j} if j == 1 else {}))
         return out
+
+    def generate_streaming(self, prompts, sampling, *, on_groups_done):
+        """The groups in two reports (the complete ones only), as replies arriving at two moments."""
+        samples = self.generate(prompts, sampling)
+        groups = [samples[k:k + sampling.n] for k in range(0, len(samples), sampling.n)]
+        complete = [g for g in groups if all(s.finish_reason != "abort" for s in g)]
+        for part in (complete[:1], complete[1:]):
+            if part:
+                on_groups_done(part)
+        return samples
 
     def update_weights(self, named_tensors=None, *, policy_version, **kw): ...
     def abort(self): ...
@@ -96,6 +111,23 @@ def main(out_dir: str) -> None:
         scored = stages.score(batch, records, n=4, tokenizer=Tok(), reward_manager=rm, group=pgs.ctrl)
     torch.save({"scores": scored.scores, "rewards": scored.rewards, "extra": scored.extra,
                 "texts": scored.response_text}, f"{out_dir}/scored{rank}.pt")
+
+    # The sync trainer on SGLang: rank 0 scores each complete group in the engine's callback; rank 1 receives
+    # the batch without tokens and every row's values after generation (texts stay on rank 0).
+    streaming = RankZeroEngine(SlowEngine(delay_s=0.5, abort_all=False) if rank == 0 else None, rank=rank,
+                               world_size=2, group=pgs.ctrl)
+    with RewardManager(rank_dependent_reward, max_response_length=8, on_error="penalize", error_score=-1.0,
+                       timeout_s=1.0) as rm:
+        stop = StopWhenFull.scoring_only(metric="acc", score_groups=stages.group_scorer(
+            records, group_suffix="s", n=4, tokenizer=Tok(), reward_manager=rm))
+        rows = stages.generate(streaming, records, sampling, group_suffix="s", pad_id=0, max_response_length=8,
+                               on_groups_done=stop)
+        in_callback = sorted(stop.scored)
+        streamed = stages.score_streamed(rows, records, stop.scored, n=4, tokenizer=Tok(), reward_manager=rm,
+                                         group=pgs.ctrl)
+    torch.save({"scores": streamed.scores, "extra": streamed.extra, "texts": streamed.response_text,
+                "held_rows": rows.responses.present.nonzero().squeeze(1).tolist(), "in_callback": in_callback,
+                "responses": share_kept_rows(rows, group=pgs.ctrl).responses}, f"{out_dir}/streamed{rank}.pt")
     destroy_parallel()
     dist.destroy_process_group()
 

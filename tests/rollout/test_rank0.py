@@ -74,6 +74,14 @@ def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_r
     want = ["".join(chr(97 + t % 26) for t in b0["responses"][r, : int(b0["response_length"][r])].tolist())
             for r in range(len(b0["index"]))]
     assert s0["texts"] == want and any(want) and not any(s1["texts"])
+    # streaming: groups p1 and p2 were scored in rank 0's callback (p0 has an aborted row: scored after),
+    # all on rank 0, so no row timed out; rank 1 held no token until the rows were shared
+    t0, t1 = (torch.load(tmp_path / f"streamed{k}.pt", weights_only=True) for k in (0, 1))
+    assert t0["in_callback"] == ["p1@s", "p2@s"] and t0["held_rows"] == list(range(12)) and t1["held_rows"] == []
+    assert torch.equal(t0["scores"], t1["scores"]) and t0["extra"] == t1["extra"]
+    assert not any(t0["extra"]["error"]) and -1.0 not in t0["scores"].tolist()
+    assert t0["scores"].tolist() == [float(len(t) % 3 == 0) for t in t0["texts"]] and not any(t1["texts"])
+    assert torch.equal(t0["responses"], t1["responses"])
 
 
 def test_a_row_generated_with_other_weights_is_a_named_error():

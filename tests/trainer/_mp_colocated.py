@@ -79,16 +79,17 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
                 kill(busy[0], "generation")
 
             threading.Thread(target=watch, daemon=True).start()
-            generate_batch = engine.generate_batch
+            def paced(generate):  # the trainer's call (streaming on SGLang) waits for a restarting server
+                def paced_generate(*a, **k):
+                    out = generate(*a, **k)
+                    deadline = time.monotonic() + 300
+                    while set(engine.pool.state.values()) & {"down", "restarting"} and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    return out
+                return paced_generate
 
-            def paced_generate_batch(*a, **k):
-                out = generate_batch(*a, **k)
-                deadline = time.monotonic() + 300
-                while set(engine.pool.state.values()) & {"down", "restarting"} and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                return out
-
-            engine.generate_batch = paced_generate_batch
+            engine.generate_batch = paced(engine.generate_batch)
+            engine.generate_batch_streaming = paced(engine.generate_batch_streaming)
         elif mode == "push-hang":
             sync = trainer.sync_weights.sync
             send = sync._send_bucket

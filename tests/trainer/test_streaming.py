@@ -10,12 +10,12 @@ import dataclasses
 import json
 import pathlib
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_dapo.data.sampler import ResumableSampler
+from megatron_dapo.rollout.ragged import to_ragged
 from megatron_dapo.trainer.dynamic_sampling import StopWhenFull, finished_groups
 from megatron_dapo.trainer.run import run
 from tests.trainer._batches import scored
@@ -54,26 +54,56 @@ def test_costs_survive_the_in_flight_state():
     assert (other.generated_tokens, other.cut_groups, other.finished_rows, other.finished_tokens) == (9, 1, 2, 3)
 
 
+def ragged_scored(groups):
+    """tests.trainer._batches.scored with the ragged rollout a group scorer returns."""
+    sb = scored(groups)
+    return dataclasses.replace(sb, rollout=to_ragged(sb.rollout, pad_id=0))
+
+
 def test_stop_when_full_counts_informative_groups_until_the_need_is_met():
     """need 3: groups wait unscored while all of them together could not meet it (a, b; then d after one of a, b, c
     was informative). Every group it scored is kept for the reward stage, with its rows."""
     acc = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [1, 0], "e": [0, 1]}
     calls = []
 
-    def score_groups(groups):
-        calls.append([g[0].prompt_id for g in groups])
-        return scored({gid: acc[gid] for gid in calls[-1]})
+    def score_groups(batch):
+        calls.append(list(dict.fromkeys(batch.index)))
+        assert batch.responses.complete and len(batch) == 2 * len(calls[-1])
+        return ragged_scored({gid: acc[gid] for gid in calls[-1]})
 
-    def group(gid):
-        return [SimpleNamespace(prompt_id=gid)] * 2
+    def group(gid):  # a ragged batch of one complete group, as the engine reports it
+        return to_ragged(scored({gid: [0, 0]}).rollout, pad_id=0)
 
     stop = StopWhenFull(need=3, metric="acc", score_groups=score_groups)
-    assert [stop([group("a")]), stop([group("b")]), stop([group("c")]), stop([group("d")]), stop([group("e")])] == \
+    assert [stop(group("a")), stop(group("b")), stop(group("c")), stop(group("d")), stop(group("e"))] == \
         [False, False, False, False, True]
     assert calls == [["a", "b", "c"], ["d", "e"]] and stop.informative == 3
     for gid in "abcde":
         batch, first = stop.scored[gid]
         assert batch.rollout.index[first:first + 2] == [gid, gid] and batch.extra["acc"][first:first + 2] == acc[gid]
+
+
+def test_scoring_only_scores_each_group_as_it_completes_never_stops_and_leaves_a_failed_group_unscored():
+    """The sync trainer's callback on SGLang without streaming: every reported batch is scored at once; a
+    reward error leaves its groups for the reward stage (which raises it on every rank)."""
+    calls = []
+
+    def score_groups(batch):
+        gids = list(dict.fromkeys(batch.index))
+        calls.append(gids)
+        if "bad" in gids:
+            raise ValueError("reward failed")
+        return ragged_scored({gid: [1, 0] for gid in gids})
+
+    def groups(*gids):
+        return to_ragged(scored({g: [0, 0] for g in gids}).rollout, pad_id=0)
+
+    stop = StopWhenFull.scoring_only(metric="acc", score_groups=score_groups)
+    assert [stop(groups("a")), stop(groups("b", "c")), stop(groups("bad")), stop(groups("d"))] == [False] * 4
+    assert calls == [["a"], ["b", "c"], ["bad"], ["d"]]
+    assert sorted(stop.scored) == ["a", "b", "c", "d"] and stop.scored["c"][1] == 2
+    kept = stop.scored["c"][0].rollout  # its values stay for the reward stage, its tokens do not
+    assert kept.index == ["b", "b", "c", "c"] and not kept.responses.present.any() and kept.responses.values.numel() == 0
 
 
 def test_a_group_with_any_aborted_sample_is_cut():

@@ -92,8 +92,9 @@ class SpeculationProbe:
 
 
 class ThroughputMeter:
-    """Wraps rank 0's engine: response tokens and wall seconds (`clock`) of the generate_batch calls
-    `counted(sampling)` accepts, until `take()`. Everything else is the wrapped engine's."""
+    """Wraps rank 0's engine: response tokens and wall seconds (`clock`) of the generate_batch and
+    generate_batch_streaming calls `counted(sampling)` accepts, until `take()`. Everything else is the
+    wrapped engine's."""
 
     def __init__(self, engine, counted: Callable[[SamplingParams], bool],
                  clock: Callable[[], float] = time.perf_counter):
@@ -102,8 +103,14 @@ class ThroughputMeter:
         self._tokens, self._seconds = 0, 0.0
 
     def generate_batch(self, prompts: Sequence[PromptInput], sampling: SamplingParams, **kw):
+        return self._timed(self.engine.generate_batch, prompts, sampling, **kw)
+
+    def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, **kw):
+        return self._timed(self.engine.generate_batch_streaming, prompts, sampling, **kw)
+
+    def _timed(self, call, prompts: Sequence[PromptInput], sampling: SamplingParams, **kw):
         t0 = self.clock()
-        batch = self.engine.generate_batch(prompts, sampling, **kw)
+        batch = call(prompts, sampling, **kw)
         if self.counted(sampling):
             with self._lock:
                 self._tokens += int(batch.response_length.sum())

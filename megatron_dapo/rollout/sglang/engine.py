@@ -61,6 +61,7 @@ import requests
 import torch
 
 from megatron_dapo.rollout.base import (
+    BatchGroupsDone,
     BatchRow,
     GroupsDone,
     PromptInput,
@@ -70,7 +71,7 @@ from megatron_dapo.rollout.base import (
     Sample,
     SamplingParams,
     check_generate_inputs,
-    ragged_batch,
+    rows_to_ragged,
 )
 from megatron_dapo.rollout.sglang import client
 from megatron_dapo.rollout.sglang.control import ServerControl
@@ -253,12 +254,8 @@ class SGLangEngine(ServerControl, RolloutEngine):
         """`generate` as a ragged RolloutBatch: each reply becomes tensors of its real tokens in the worker
         thread that received it, while later replies are still generated; once the last one is in, the
         batch is a concatenation (no Python Samples, no padding to max_response_length)."""
-        rows = self._generate(prompts, sampling, self._row)
-        return ragged_batch(prompts, sampling.n, [r.tokens for r in rows], [r.log_probs for r in rows],
-                            finish_reason=[r.finish_reason for r in rows],
-                            policy_version=[r.policy_version for r in rows], meta=[r.meta for r in rows],
-                            routed_experts=[r.routed_experts for r in rows], pad_id=pad_id,
-                            max_response_length=max_response_length)
+        return rows_to_ragged(prompts, sampling.n, self._generate(prompts, sampling, self._row), pad_id=pad_id,
+                              max_response_length=max_response_length)
 
     def _generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable) -> list:
         """The rows of one call, prompt-major, each made by make(prompt, j, parsed, version) in the thread
@@ -312,6 +309,25 @@ class SGLangEngine(ServerControl, RolloutEngine):
         not registered yet: SGLang ignores the abort of a rid it does not know) and come back with their
         partial output, finish_reason "abort"; those not yet sent come back aborted with no tokens.
         Groups that complete after the stop are returned complete."""
+        groups = self._stream(prompts, sampling, self._sample, lambda done: on_groups_done([g for _, g in done]))
+        return [s for g in groups for s in g]
+
+    def generate_batch_streaming(self, prompts: Sequence[PromptInput], sampling: SamplingParams, *, pad_id: int,
+                                 max_response_length: int, on_groups_done: BatchGroupsDone) -> RolloutBatch:
+        """`generate_streaming` as a ragged batch: each reply becomes tensors in the thread that received it
+        (as `generate_batch`), the callback gets the completed groups as a ragged batch, and no Python
+        sample is built."""
+        def batch_of(pairs: list[tuple[PromptInput, list[BatchRow]]]) -> RolloutBatch:
+            return rows_to_ragged([p for p, _ in pairs], sampling.n, [r for _, g in pairs for r in g], pad_id=pad_id,
+                                  max_response_length=max_response_length)
+
+        groups = self._stream(prompts, sampling, self._row, lambda done: on_groups_done(batch_of(done)))
+        return batch_of(list(zip(prompts, groups, strict=True)))
+
+    def _stream(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable,
+                report: Callable[[list[tuple[PromptInput, list]]], bool]) -> list[list]:
+        """The streaming call (generate_streaming's docstring): each group's rows made by `make` in the
+        thread that received its reply; report([(prompt, rows), ...]) -> stop for the groups that complete."""
         self._check_call(prompts, sampling)
         call_id = uuid.uuid4().hex[:12]
         stop, failed = threading.Event(), threading.Event()
@@ -320,30 +336,31 @@ class SGLangEngine(ServerControl, RolloutEngine):
             self._streams.add(stop)
         try:
             submitted = self._submit_all([(self._run_batch, [(p, j) for j in range(sampling.n)], sampling,
-                                           f"{call_id}-{k}", stop, failed, running) for k, p in enumerate(prompts)],
-                                         failed)
+                                           f"{call_id}-{k}", stop, failed, running, make)
+                                          for k, p in enumerate(prompts)], failed)
         except BaseException:
             with self._sessions_lock:
                 self._streams.discard(stop)
             raise
         futures = {f: k for k, f in enumerate(submitted)}
-        groups: list[list[Sample] | None] = [None] * len(prompts)
+        groups: list[list | None] = [None] * len(prompts)
         pending, stopped, aborted_at = set(futures), False, {}
         try:
             while pending:
                 done, pending = wait(pending, timeout=ABORT_REPEAT_S if stopped else None,
                                      return_when=FIRST_COMPLETED)
                 complete = []
-                for f in done:
+                for f in sorted(done, key=futures.__getitem__):
                     if f.exception() is not None:
                         failed.set()
                         raise f.exception()
-                    groups[futures[f]] = f.result()
-                    if not stopped and all(s.finish_reason != "abort" for s in groups[futures[f]]):
-                        complete.append(groups[futures[f]])
+                    k = futures[f]
+                    groups[k] = f.result()
+                    if not stopped and all(r.finish_reason != "abort" for r in groups[k]):
+                        complete.append((prompts[k], groups[k]))
                 if complete and not stopped:
                     try:
-                        stopped = bool(on_groups_done(complete))
+                        stopped = bool(report(complete))
                     except BaseException:
                         stopped = True
                         raise
@@ -358,7 +375,7 @@ class SGLangEngine(ServerControl, RolloutEngine):
                 self._abort_running(running, aborted_at)
             with self._sessions_lock:
                 self._streams.discard(stop)
-        return [s for g in groups for s in g]  # type: ignore[union-attr]  # every group was filled
+        return groups  # type: ignore[return-value]  # every group was filled
 
     def _abort_running(self, running: dict[str, tuple[str, list[str]]], sent_at: dict[str, float]) -> None:
         """/abort_request for each rid of the requests running on a server; a rid already aborted is sent
