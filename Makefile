@@ -36,8 +36,10 @@ train: install
 
 # The default suite: everything but the `slow` and `gpu` markers. It includes the tests against real
 # SGLang servers (tests/sglang_real), which run in their own venv. The 15 slowest tests are listed at the
-# end, so growth is seen when it happens.
-test: install sglang-env
+# end, so growth is seen when it happens. The two venvs build side by side (a fresh machine: 114 s instead
+# of 162 s one after the other).
+test:
+	@$(MAKE) --no-print-directory -j2 install sglang-env
 	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q \
 		-m "not slow and not gpu" --durations=15 $(ARGS)
 
