@@ -423,9 +423,9 @@ def test_host_data_path_terms_by_hand():
     rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
     dense = 32 * 200 * 16 + 32 * 10 * 8 + 1 * 32 * 200 * 4
-    assert rank0 == {"generation batch": 64 * 100 * 12 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
-                     "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 12 * 2, "training batch": dense}
-    assert other == {"its rows": 16 * 100 * (12 + 2), "kept rows": 32 * 100 * 20, "training batch": dense}
+    assert rank0 == {"generation batch": 64 * 100 * 8 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
+                     "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 8 * 2, "training batch": dense}
+    assert other == {"its rows": 16 * 100 * (8 + 2), "kept rows": 32 * 100 * 8, "training batch": dense}
 
 
 def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_naming_the_key():
@@ -435,7 +435,7 @@ def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_nami
     plan = plan_from_config(cfg, gpu_memory_gib=80)
     host = plan_host(cfg, memory_plan=plan)
     assert host.rows == 1536 * 16 and host.train_rows == 512 * 16 and host.response_tokens == 20480
-    assert host.rank0["generation batch"] == 24576 * 20480 * 24 and check_host(host) is None
+    assert host.rank0["generation batch"] == 24576 * 20480 * 16 and check_host(host) is None
     assert host.node0_total == host.rank0_total + 7 * host.other_total
     check_fits(plan, host=host)
     moe = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3", "trainer.host_memory_gib_per_node=256")
@@ -447,7 +447,7 @@ def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_nami
                                          r"r3 routing 198\.0 GiB"):
         check_fits(moe_plan, host=small)
     typical = plan_host(moe, memory_plan=moe_plan, response_tokens=6000)
-    assert typical.rank0["generation batch"] == 24576 * 6000 * 24
+    assert typical.rank0["generation batch"] == 24576 * 6000 * 16
 
 
 def test_the_planner_prints_host_lines_and_refuses_a_small_node():

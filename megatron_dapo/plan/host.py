@@ -5,17 +5,17 @@ Each term is a tensor or list the code holds, at the size the recipe gives it (w
 Rank 0 drives the SGLang servers (rollout/rank0.py); the other ranks hold their share of the rows.
 
 rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
-- generation batch: R x L x 12 B (int64 ids, float32 log-probs) twice while the rows' tensors are
-  concatenated (`rollout.base.ragged_batch`);
+- generation batch: R x L x 8 B (int32 ids, float32 log-probs: rollout.ragged.TOKEN_DTYPE) twice while the
+  rows' tensors are concatenated (`rollout.base.ragged_batch`);
 - replies received and not yet rows: REPLIES_HELD replies of n rows, ~150 B a token (JSON bytes, the
   parsed lists, the float64 column);
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
-  is taken from them (another copy): twice train rows x L x 12 B;
+  is taken from them (another copy): twice train rows x L x 8 B;
 - r3 routing when actor.router_replay = r3 (memory.py's figure).
 every rank:
-- its rows: R / world x L x 12 B and their texts (rank 0 holds every row already);
-- the kept rows as they arrive (int32 ids + float32 log-probs, then int64 ids);
+- its rows: R / world x L x 8 B and their texts (rank 0 holds every row already);
+- the kept rows as they arrive (int32 ids + float32 log-probs, kept so until they are made dense);
 - the training batch, dense: B x T x 16 B (int64 ids, float32 log-probs and mask) + B x P x 8 B, then the
   step's per-token float32 tensors (loss mask, old log-probs and their squared-probability sums, token-level
   rewards, advantages, returns; reference log-probs with a KL term);
@@ -74,9 +74,9 @@ def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_r
     tokens, kept = rows * L, train_rows * L
     own = math.ceil(rows / world) * L
     dense = train_rows * T * 16 + train_rows * P * 8 + step_tensors * train_rows * T * 4
-    rank0 = {"generation batch": tokens * 12 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
-             "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 12 * 2, "training batch": dense}
-    other = {"its rows": own * (12 + int(text_bytes_per_token)), "kept rows": kept * (8 + 12),
+    rank0 = {"generation batch": tokens * 8 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
+             "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 8 * 2, "training batch": dense}
+    other = {"its rows": own * (8 + int(text_bytes_per_token)), "kept rows": kept * 8,
              "training batch": dense}
     return rank0, other
 

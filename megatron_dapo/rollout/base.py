@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_dapo.rollout.ragged import RaggedRows
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RaggedRows
 
 FINISH_REASONS = ("stop", "length", "abort")
 """stop: an EOS / stop token ended the response (it is included); length: max_new_tokens reached;
@@ -364,7 +364,7 @@ class RolloutBatch:
 class BatchRow(NamedTuple):
     """One response as an engine hands it to `ragged_batch`: its real tokens only."""
 
-    tokens: torch.Tensor  # [R] int64
+    tokens: torch.Tensor  # [R] int32 (ragged.TOKEN_DTYPE)
     log_probs: torch.Tensor  # [R] float32
     finish_reason: str
     policy_version: int
@@ -375,9 +375,9 @@ class BatchRow(NamedTuple):
 def prompt_rows(prompts: Sequence[PromptInput], n: int, pad_id: int) -> RaggedRows:
     """The prompt tokens of a prompt-major batch (n rows per prompt), ragged: one tensor per prompt, each
     repeated n times by a copy (no per-token Python work for the n - 1 copies)."""
-    per_prompt = [torch.tensor(p.token_ids, dtype=torch.int64) for p in prompts]
+    per_prompt = [torch.tensor(p.token_ids, dtype=TOKEN_DTYPE) for p in prompts]
     lengths = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.int64).repeat_interleave(n)
-    values = torch.cat([t for t in per_prompt for _ in range(n)]) if per_prompt else torch.zeros(0, dtype=torch.int64)
+    values = torch.cat([t for t in per_prompt for _ in range(n)]) if per_prompt else torch.zeros(0, dtype=TOKEN_DTYPE)
     return RaggedRows(values, lengths, torch.ones(len(lengths), dtype=torch.bool),
                       int(lengths.max()) if len(lengths) else 0, pad_id)
 
@@ -387,7 +387,7 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
                  meta: Sequence[dict], routed_experts: Sequence[torch.Tensor | None], pad_id: int,
                  max_response_length: int) -> RolloutBatch:
     """The ragged RolloutBatch (rollout/ragged.py: real tokens only, every row present) of a prompt-major
-    generation: n rows per prompt, row b's response `responses[b]` (int64) with `log_probs[b]` (float32).
+    generation: n rows per prompt, row b's response `responses[b]` (token ids) with `log_probs[b]` (float32).
     Its cost is one copy of the tokens, whatever max_response_length."""
     B = len(responses)
     if B != len(prompts) * n or not B:
@@ -402,7 +402,7 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_length=prompt_ids.lengths.clone(),
-        responses=RaggedRows(torch.cat(list(responses)).to(torch.int64), lengths, present, max_response_length, pad_id),
+        responses=RaggedRows(torch.cat(list(responses)).to(TOKEN_DTYPE), lengths, present, max_response_length, pad_id),
         response_mask=None,
         rollout_log_probs=RaggedRows(torch.cat(list(log_probs)).to(torch.float32), lengths.clone(), present.clone(),
                                      max_response_length, 0.0),
@@ -437,7 +437,7 @@ def samples_to_ragged(samples: Sequence[Sample], *, n: int, pad_id: int, max_res
         if s.sample_index != row % n or s.prompt_id != prompts[row // n].prompt_id:
             raise ValueError(f"samples_to_ragged: row {row} is ({s.prompt_id!r}, {s.sample_index}), not prompt-major "
                              f"with n={n}")
-    return ragged_batch(prompts, n, [torch.tensor(s.response_token_ids, dtype=torch.int64) for s in samples],
+    return ragged_batch(prompts, n, [torch.tensor(s.response_token_ids, dtype=TOKEN_DTYPE) for s in samples],
                         [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
                         finish_reason=[s.finish_reason for s in samples],
                         policy_version=[s.policy_version for s in samples], meta=[s.meta for s in samples],

@@ -47,10 +47,10 @@ from megatron_dapo.rollout.base import (
     check_generate_inputs,
     prompt_rows,
 )
-from megatron_dapo.rollout.ragged import RaggedRows, to_ragged
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RaggedRows, to_ragged
 
-WIRE_TOKEN_DTYPE = torch.int32
-"""Token ids between ranks (vocabularies are far below 2**31); int64 again on arrival."""
+WIRE_TOKEN_DTYPE = TOKEN_DTYPE
+"""Token ids between ranks, as every rank holds them ragged (rollout.ragged.TOKEN_DTYPE)."""
 
 
 class DriverError(RolloutEngineError):
@@ -151,7 +151,7 @@ def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, ran
             work.wait()
         return batch
     if not shard:
-        wire["tokens"], wire["log_probs"] = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        wire["tokens"], wire["log_probs"] = torch.zeros(0, dtype=TOKEN_DTYPE), torch.zeros(0, dtype=torch.float32)
         return decode_batch(wire, prompts, n, pad_id=pad_id, max_response_length=max_response_length, rank=me,
                             world=world, present=False)
     n_mine = int(wire["response_length"][rows_of(me, world, B)].sum())
@@ -160,7 +160,6 @@ def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, ran
     for key in ("tokens", "log_probs"):
         if n_mine:
             dist.recv(wire[key], src=src, group=group)
-    wire["tokens"] = wire["tokens"].to(torch.int64)
     return decode_batch(wire, prompts, n, pad_id=pad_id, max_response_length=max_response_length, rank=me,
                         world=world)
 

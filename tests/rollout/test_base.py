@@ -201,6 +201,7 @@ def test_samples_to_ragged_holds_the_real_tokens_only_and_densifies_to_samples_t
     assert r.responses.values.tolist() == [10, 11, 12, 13, 8, 9]  # no padding anywhere
     assert r.prompt_ids.values.tolist() == [1, 2, 3, 1, 2, 3, 7, 7] and r.prompt_ids.width == 3
     assert r.responses.width == 4 and r.rollout_log_probs.values.dtype == torch.float32
+    assert r.responses.values.dtype == r.prompt_ids.values.dtype == torch.int32  # ids held in 4 bytes
     dense, ref = to_dense(r), samples_to_batch(samples, pad_id=0, max_response_length=4)
     for f in dataclasses.fields(ref):
         a, b = getattr(dense, f.name), getattr(ref, f.name)
@@ -224,6 +225,13 @@ def test_ragged_dense_is_one_copy_per_row_and_equals_a_masked_scatter():
     expected[torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)] = values
     assert torch.equal(rows.dense(), expected)
     assert rows.row(2).tolist() == [3, 4, 5, 6, 7] and rows.index_select(torch.tensor([3, 0])).values.tolist() == [8, 0, 1, 2]
+    # Token ids held as int32 densify to int64; a dense int64 tensor goes ragged as int32 and back unchanged.
+    held32 = RaggedRows(values.to(torch.int32), lengths, torch.ones(4, dtype=torch.bool), 6, -1)
+    assert held32.dense().dtype == torch.int64 and torch.equal(held32.dense(), expected)
+    back = RaggedRows.from_dense(expected, lengths, -1)
+    assert back.values.dtype == torch.int32 and torch.equal(back.dense(), expected)
+    log_probs = RaggedRows.from_dense(expected.double(), lengths, 0.0)
+    assert log_probs.values.dtype == log_probs.dense().dtype == torch.float64  # floats keep their dtype
 
 
 def test_rollout_engine_is_abstract_and_a_context_manager():

@@ -296,7 +296,7 @@ def _item(tokens, finish="length", **meta):
 def test_parse_generate_output_checks_each_field():
     ok = parse_generate_output(_item([4, 5]), request="R", max_new_tokens=2)
     assert (ok.token_ids.tolist(), ok.log_probs.tolist(), ok.finish_reason, ok.meta) == ([4, 5], [-0.1, -0.1], "length", {})
-    assert (ok.token_ids.dtype, ok.log_probs.dtype) == (torch.int64, torch.float64)  # the server's doubles, exact
+    assert (ok.token_ids.dtype, ok.log_probs.dtype) == (torch.int32, torch.float64)  # ids as held ragged; doubles exact
     no_lp = _item([4])
     del no_lp["meta_info"]["output_token_logprobs"]
     with pytest.raises(EngineReplyError, match="R: meta_info.output_token_logprobs missing"):

@@ -73,6 +73,7 @@ from megatron_dapo.rollout.base import (
     check_generate_inputs,
     rows_to_ragged,
 )
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE
 from megatron_dapo.rollout.sglang import client
 from megatron_dapo.rollout.sglang.control import ServerControl
 from megatron_dapo.rollout.sglang.health import AllServersDown, ServerPool  # noqa: F401  (AllServersDown: API)
@@ -413,7 +414,7 @@ class SGLangEngine(ServerControl, RolloutEngine):
                                              routed_experts=self.routing is not None)
             reply, url, rids = self._post_generate(payload, batch_id, aborted, failed, running)
         if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
-            nothing = ParsedOutput(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64), "abort", {})
+            nothing = ParsedOutput(torch.zeros(0, dtype=TOKEN_DTYPE), torch.zeros(0, dtype=torch.float64), "abort", {})
             return [make(p, j, nothing, version) for p, j in batch]
         if not isinstance(reply, list) or len(reply) != len(batch):
             got = f"a list of {len(reply)}" if isinstance(reply, list) else type(reply).__name__

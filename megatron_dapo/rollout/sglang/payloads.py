@@ -37,6 +37,7 @@ from megatron_dapo.rollout.base import (
     SamplingParams,
     derive_sample_seed,
 )
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE
 from megatron_dapo.rollout.sglang.routing import (
     META_KEY,
     REQUEST_FIELD,
@@ -47,7 +48,8 @@ from megatron_dapo.rollout.sglang.routing import (
 from megatron_dapo.rollout.sglang.versions import ROUTED_EXPERTS_FLAG, SPEC_VERIFY_KEY, ReleaseFeatures
 
 MAX_TOKEN_ID = 2**31
-"""Token ids travel between ranks as int32 (rollout.rank0): a larger id is refused at the reply."""
+"""Token ids are held and sent between ranks as int32 (rollout.ragged.TOKEN_DTYPE): a larger id is refused at
+the reply."""
 
 
 class EngineReplyError(RolloutEngineError):
@@ -67,7 +69,7 @@ class ParsedOutput:
     """One /generate result, validated."""
 
     token_ids: torch.Tensor
-    """[R] int64, the response tokens."""
+    """[R] int32 (rollout.ragged.TOKEN_DTYPE), the response tokens."""
     log_probs: torch.Tensor
     """[R] float64, their log-probs as the server wrote them."""
     finish_reason: str
@@ -192,7 +194,7 @@ def parse_generate_output(
 
 
 def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids int64, log-probs float64) of output_token_logprobs ([[logprob, token_id, text], ...]).
+    """(token ids int32, log-probs float64) of output_token_logprobs ([[logprob, token_id, text], ...]).
 
     A reply carries up to 16 x 20k entries: the columns are pulled out and checked at C speed (type sets,
     min, isfinite), about 0.15 us a token; the loop that names the offending entry runs only when a check
@@ -203,9 +205,9 @@ def _entries_to_tensors(entries: list, *, request: str) -> tuple[torch.Tensor, t
         tokens = logps = None
     if (tokens is not None and set(map(type, tokens)) <= {int} and set(map(type, logps)) <= {float, int}):
         try:
-            tok = torch.tensor(tokens, dtype=torch.int64)
+            tok = torch.tensor(tokens, dtype=TOKEN_DTYPE)
             lp = torch.tensor(logps, dtype=torch.float64)
-        except (ValueError, OverflowError, RuntimeError):  # an int beyond int64: named below
+        except (ValueError, OverflowError, RuntimeError):  # an int beyond int32: named below
             tok = lp = None
         if tok is not None and (not len(tokens) or (int(tok.min()) >= 0 and int(tok.max()) < MAX_TOKEN_ID
                                                      and bool(torch.isfinite(lp).all())
