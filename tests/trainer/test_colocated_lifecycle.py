@@ -123,8 +123,12 @@ def test_colocated_servers_killed_in_training_and_in_generation_are_relaunched_a
     assert report["states"] == {first: "up", second: "up"} and report["weights_equal"] == {first: True, second: True}
     for url in (first, second):
         story = _check_memory_order(report["requests"][url])
-        assert story[0].startswith("release:") and story.index("resume:weights") < story.index(
-            "/update_weights_from_distributed") < story.index("resume:kv_cache") < story.index("/generate"), story
+        if story[0].startswith("release:"):  # up while the actor trained: it joined the release, then the sync
+            assert story.index("resume:weights") < story.index("/update_weights_from_distributed") < story.index(
+                "resume:kv_cache") < story.index("/generate"), story
+        else:  # a relaunch that answered before the rollout phase's push (a loaded machine: the push came
+            # later) holds its memory: that push, then generation, then the next release
+            assert story[:3] == ["/update_weights_from_distributed", "/generate", "release:kv_cache,weights"], story
     assert scalars["rollout/servers_up"][steps] == 2
 
 
