@@ -49,9 +49,6 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RaggedRows, to_ragged
 
-WIRE_TOKEN_DTYPE = TOKEN_DTYPE
-"""Token ids between ranks, as every rank holds them ragged (rollout.ragged.TOKEN_DTYPE)."""
-
 
 class DriverError(RolloutEngineError):
     """The engine call on the driving rank (global rank 0) failed; every rank raises it with rank 0's message."""
@@ -81,7 +78,7 @@ def rows_of(rank: int, world: int, num_rows: int) -> torch.Tensor:
 def shard_tokens(batch: RolloutBatch, rank: int, world: int) -> dict[str, torch.Tensor]:
     """The token entries of rank `rank`'s rows (a ragged batch holding every row, rank 0's side)."""
     rows = rows_of(rank, world, len(batch))
-    return {"tokens": batch.responses.index_select(rows).values.to(WIRE_TOKEN_DTYPE).contiguous(),
+    return {"tokens": batch.responses.index_select(rows).values.to(TOKEN_DTYPE).contiguous(),
             "log_probs": batch.rollout_log_probs.index_select(rows).values.to(torch.float32).contiguous()}
 
 
@@ -155,7 +152,7 @@ def broadcast_batch(batch: RolloutBatch | None, error: str | None, *, group, ran
         return decode_batch(wire, prompts, n, pad_id=pad_id, max_response_length=max_response_length, rank=me,
                             world=world, present=False)
     n_mine = int(wire["response_length"][rows_of(me, world, B)].sum())
-    wire["tokens"] = torch.empty(n_mine, dtype=WIRE_TOKEN_DTYPE)
+    wire["tokens"] = torch.empty(n_mine, dtype=TOKEN_DTYPE)
     wire["log_probs"] = torch.empty(n_mine, dtype=torch.float32)
     for key in ("tokens", "log_probs"):
         if n_mine:
