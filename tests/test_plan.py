@@ -422,7 +422,7 @@ def test_host_data_path_terms_by_hand():
 
     rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
-    dense = 32 * 200 * 16 + 32 * 10 * 8 + 1 * 32 * 200 * 4
+    dense = 32 * 200 * 8 + 32 * 10 * 4 + 1 * 32 * 200 * 4  # log-probs + mask dense, prompt ids ragged int32
     assert rank0 == {"generation batch": 64 * 100 * 8 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
                      "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 8 * 2, "training batch": dense}
     assert other == {"its rows": 16 * 100 * (8 + 2), "kept rows": 32 * 100 * 8, "training batch": dense}

@@ -15,8 +15,9 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - r3 routing when actor.router_replay = r3 (memory.py's figure).
 every rank:
 - its rows: R / world x L x 8 B and their texts (rank 0 holds every row already);
-- the kept rows as they arrive (int32 ids + float32 log-probs, kept so until they are made dense);
-- the training batch, dense: B x T x 16 B (int64 ids, float32 log-probs and mask) + B x P x 8 B, then the
+- the kept rows as they arrive (int32 ids + float32 log-probs; the ids stay so in the training batch);
+- the training batch: B x T x 8 B dense (float32 log-probs and mask; rollout.ragged.TRAINING_DENSE) + its
+  prompts' ids, ragged int32 (at most B x P x 4 B), then the
   step's per-token float32 tensors (loss mask, old log-probs and their squared-probability sums, token-level
   rewards, advantages, returns; reference log-probs with a KL term);
 - with trainer.async_save the checkpoint's staged copy of its shards (params + optimizer state); with
@@ -73,7 +74,7 @@ def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_r
     L, T, P = response_tokens, max_response_length, max_prompt_length
     tokens, kept = rows * L, train_rows * L
     own = math.ceil(rows / world) * L
-    dense = train_rows * T * 16 + train_rows * P * 8 + step_tensors * train_rows * T * 4
+    dense = train_rows * T * 8 + train_rows * P * 4 + step_tensors * train_rows * T * 4
     rank0 = {"generation batch": tokens * 8 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
              "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 8 * 2, "training batch": dense}
     other = {"its rows": own * (8 + int(text_bytes_per_token)), "kept rows": kept * 8,

@@ -259,7 +259,7 @@ class DAPOTrainer:
             self._save_inflight(step)  # a crash from here on resumes without regenerating these groups
             self._stop_if_signalled(saved=False)
         batch, metrics = self.buffer.take()
-        if batch is not None:  # the kept rows, every one on every rank, dense for the actor's stages
+        if batch is not None:  # the kept rows, every one on every rank, the training batch (ragged.to_training)
             batch = dataclasses.replace(batch, rollout=share_kept_rows(batch.rollout, group=p.pgs.ctrl))
         ckpt.clear_inflight(self.cfg.ckpt_dir) if self.is_rank0 else None
         self._inflight_parts = 0

@@ -259,8 +259,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         return keys, _outline(batch) if self.world > 1 else batch, min_versions, metrics
 
     def _share_batch(self, outline: ScoredBatch) -> ScoredBatch:
-        """The training batch on every rank, dense: rank 0 broadcasts the token entries (int32 ids, float32
-        log-probs, one flat tensor per field: no pickle of the tokens, no padding on the wire)."""
+        """The training batch on every rank (rollout/ragged.py `to_training`): rank 0 broadcasts the token
+        entries (int32 ids, float32 log-probs, one flat tensor per field: no pickle of the tokens, no padding
+        on the wire)."""
         batch = outline
         if self.is_rank0:
             batch, self._held = self._held, None

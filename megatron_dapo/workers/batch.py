@@ -18,11 +18,13 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class PolicyBatch:
-    """What the actor update consumes. All [B, T] tensors are zero on padding."""
+    """What the actor update consumes. All [B, T] tensors are zero on padding. The token ids may be ragged
+    rows (rollout/ragged.py `RaggedRows`: `shape`, `take`, `index_select`), as the trainer's training batch
+    holds them: the micro-batch builder reads them in place (workers/microbatch.py)."""
 
-    prompt_ids: Tensor  # [B, P] int64
+    prompt_ids: Tensor  # [B, P] int64, or ragged rows (below)
     prompt_length: Tensor  # [B] int64
-    responses: Tensor  # [B, T] int64
+    responses: Tensor  # [B, T] int64, or ragged rows (below)
     response_length: Tensor  # [B] int64
     response_mask: Tensor  # [B, T] float32, after overlong filtering and rejection sampling
     old_log_probs: Tensor | None  # [B, T] float32; None: taken from the update's own forward (on-policy)

@@ -10,7 +10,8 @@ Shape legend:
     N  real response tokens of a micro-batch (sum of its rows' response lengths)
     W  the micro-batch's response width (its longest response), for the per-row loss tensors
 
-Row r's sequence is prompt_ids[r, :pl] + responses[r, :rl]. The model predicts
+Row r's sequence is prompt_ids[r, :pl] + responses[r, :rl] (dense tensors, or the ragged rows of the
+trainer's training batch, read in place: `_gather`). The model predicts
 `labels[s] = input[s + 1]` within each sequence; the log-prob of response token t is therefore read
 at the output position pl - 1 + t of its sequence. Position (row k, s) of the micro-batch is at
 `seq_start[k] + s` in the row-major flattening of the [R, C] input (bshd: k * S + s; thd:
@@ -225,18 +226,29 @@ def _response_tokens(rows: list[int], seq_start: Tensor, pl: Tensor, rl: Tensor)
     return token_index, token_row, token_pos
 
 
-def _sequence_tokens(rows_t: Tensor, k: Tensor, s: Tensor, pl: Tensor, rl: Tensor, prompt_ids: Tensor,
-                     responses: Tensor, pad_id: int) -> Tensor:
+def _gather(src, row: Tensor, pos: Tensor, pad_id: int) -> Tensor:
+    """src[row, pos] for flat index tensors, as int64; entries past a row's end are read but masked by the
+    caller. src: a dense [B, W] tensor, or ragged rows (rollout/ragged.py `RaggedRows`: the training batch's
+    ids on every rank, real tokens only), read through their `take` without a dense copy."""
+    if not isinstance(src, Tensor):
+        return src.take(row, pos).long()
+    if not src.shape[1]:
+        return torch.full_like(pos, pad_id)
+    return src[row, pos.clamp(min=0, max=src.shape[1] - 1)].long()
+
+
+def _sequence_tokens(rows_t: Tensor, k: Tensor, s: Tensor, pl: Tensor, rl: Tensor, prompt_ids,
+                     responses, pad_id: int) -> Tensor:
     """Token s of micro-batch sequence k (prompt_ids[row, :pl] + responses[row, :rl]; pad_id past its
-    end), for flat index tensors k and s: one gather per source instead of a copy per row."""
+    end), for flat index tensors k and s: one gather per source instead of a copy per row. prompt_ids and
+    responses are dense [B, P] / [B, T] tensors or ragged rows (`_gather`)."""
     row = rows_t[k]
     p, n = pl[k], rl[k]
     in_prompt = s < p
-    from_prompt = prompt_ids[row, s.clamp(max=prompt_ids.shape[1] - 1)]
-    t = (s - p).clamp(min=0, max=max(responses.shape[1] - 1, 0))
-    from_response = responses[row, t] if responses.shape[1] else torch.full_like(s, pad_id)
+    from_prompt = _gather(prompt_ids, row, s, pad_id)
+    from_response = _gather(responses, row, s - p, pad_id)
     out = torch.where(in_prompt, from_prompt, from_response)
-    return torch.where(s < p + n, out, torch.full_like(out, pad_id)).long()
+    return torch.where(s < p + n, out, torch.full_like(out, pad_id))
 
 
 def build_microbatch(rows: list[int], prompt_ids: Tensor, prompt_length: Tensor, responses: Tensor,

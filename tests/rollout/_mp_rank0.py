@@ -15,7 +15,7 @@ from megatron_dapo.data.dataset import PromptRecord
 from megatron_dapo.parallel import destroy_parallel, init_parallel
 from megatron_dapo.rewards.manager import RewardManager
 from megatron_dapo.rollout.base import PromptInput, RolloutEngine, Sample, SamplingParams
-from megatron_dapo.rollout.ragged import share_kept_rows
+from megatron_dapo.rollout.ragged import RaggedRows, share_kept_rows, to_dense
 from megatron_dapo.rollout.rank0 import DriverError, RankZeroEngine
 from megatron_dapo.trainer import stages
 from megatron_dapo.trainer.dynamic_sampling import StopWhenFull
@@ -92,7 +92,10 @@ def main(out_dir: str) -> None:
     held = {"held_rows": batch.responses.present.nonzero().squeeze(1).tolist(),
             "held_values": int(batch.responses.values.numel() + batch.rollout_log_probs.values.numel())}
     shared = share_kept_rows(batch, group=pgs.ctrl)
-    torch.save({**{k: v for k, v in vars(shared).items()}, **held}, f"{out_dir}/batch{rank}.pt")
+    # the training batch: log-probs dense, ids still ragged (every row present), read in place by the actor
+    held["ragged_ids"] = [isinstance(getattr(shared, f), RaggedRows) and getattr(shared, f).complete
+                          for f in ("prompt_ids", "responses", "rollout_log_probs")]
+    torch.save({**{k: v for k, v in vars(to_dense(shared)).items()}, **held}, f"{out_dir}/batch{rank}.pt")
 
     failing = RankZeroEngine(SlowEngine(delay_s=0.5, fail=True) if rank == 0 else None, rank=rank, world_size=2,
                              group=pgs.ctrl)
@@ -127,7 +130,7 @@ def main(out_dir: str) -> None:
                                          group=pgs.ctrl)
     torch.save({"scores": streamed.scores, "extra": streamed.extra, "texts": streamed.response_text,
                 "held_rows": rows.responses.present.nonzero().squeeze(1).tolist(), "in_callback": in_callback,
-                "responses": share_kept_rows(rows, group=pgs.ctrl).responses}, f"{out_dir}/streamed{rank}.pt")
+                "responses": share_kept_rows(rows, group=pgs.ctrl).responses.dense()}, f"{out_dir}/streamed{rank}.pt")
     destroy_parallel()
     dist.destroy_process_group()
 

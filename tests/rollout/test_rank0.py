@@ -57,6 +57,7 @@ def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_r
     b0, b1 = (torch.load(tmp_path / f"batch{k}.pt", weights_only=True) for k in (0, 1))
     # rank 1 held its own rows' tokens only until the kept rows were shared
     assert b0.pop("held_rows") == list(range(12)) and b1.pop("held_rows") == list(range(1, 12, 2))
+    assert b0.pop("ragged_ids") == b1.pop("ragged_ids") == [True, True, False]
     held0, held1 = b0.pop("held_values"), b1.pop("held_values")
     assert held1 == 2 * int(b0["response_length"][1::2].sum()) < held0 == 2 * int(b0["response_length"].sum())
     for name, value in b0.items():  # rank 0 waited 6 s in its engine; the default group times out after 3 s

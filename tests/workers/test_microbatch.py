@@ -4,6 +4,7 @@ and the thd packing (cu_seqlens, per-sequence positions and labels, unpacking) a
 import pytest
 import torch
 
+from megatron_dapo.rollout.ragged import AbsentRowError, RaggedRows
 from megatron_dapo.workers.microbatch import (
     bin_cost,
     build_microbatch,
@@ -120,6 +121,43 @@ def test_gathered_layout_matches_row_by_row_concatenation_on_random_rows(packed)
         covered[at] = True
     assert (ids[~covered] == 0).all() and (labels[~covered] == 0).all()
     assert mb.token_labels().tolist() == [t for r in rows for t in responses[r, :rl[r]].tolist()]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ragged_ids_give_the_micro_batch_of_their_dense_form(packed):
+    """The training batch's ids held as ragged rows (int32, real tokens only) are read in place and give
+    exactly the micro-batch of the dense [B, P] / [B, T] int64 tensors, pad_id where nothing is."""
+    g = torch.Generator().manual_seed(5)
+    B, P, T, pad = 10, 6, 7, 3
+    prompt_ids, responses = torch.randint(4, 90, (B, P), generator=g), torch.randint(4, 90, (B, T), generator=g)
+    pl, rl = torch.randint(1, P + 1, (B,), generator=g), torch.randint(0, T + 1, (B,), generator=g)
+    rl[2], rl[7] = 0, T  # an empty response, and one at the width
+    prompt_ids[torch.arange(P) >= pl.unsqueeze(1)] = pad
+    responses[torch.arange(T) >= rl.unsqueeze(1)] = pad
+    ragged_p, ragged_r = RaggedRows.from_dense(prompt_ids, pl, pad), RaggedRows.from_dense(responses, rl, pad)
+    assert ragged_r.values.dtype == torch.int32
+    rows = [7, 2, 0, 9, 5]
+    want = build_microbatch(rows, prompt_ids, pl, responses, rl, pad_id=pad, seq_multiple=4, packed=packed)
+    got = build_microbatch(rows, ragged_p, pl, ragged_r, rl, pad_id=pad, seq_multiple=4, packed=packed)
+    for name in ("input_ids", "labels", "position_ids", "token_index", "seq_start"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    only_empty = RaggedRows.from_dense(responses[2:3], rl[2:3], pad)  # no response token at all
+    mb = build_microbatch([0], ragged_p.index_select(torch.tensor([2])), pl[2:3], only_empty, rl[2:3], pad_id=pad,
+                          packed=packed)
+    assert mb.input_ids.reshape(-1)[:int(pl[2])].tolist() == prompt_ids[2, :pl[2]].tolist()
+    assert mb.token_index.numel() == 0
+
+
+def test_ragged_take_reads_each_rows_entry_and_refuses_an_absent_row():
+    rows = RaggedRows(torch.tensor([5, 6, 7, 8], dtype=torch.int32), torch.tensor([3, 0, 1]),
+                      torch.ones(3, dtype=torch.bool), 4, -1)
+    got = rows.take(torch.tensor([0, 0, 0, 0, 1, 2, 2]), torch.tensor([0, 2, 3, 9, 0, 0, 5]))
+    assert got.tolist() == [5, 7, 7, 7, -1, 8, 8]  # past a row's end: its last entry; an empty row: fill
+    absent = RaggedRows(torch.tensor([5, 6, 7], dtype=torch.int32), torch.tensor([3, 1]),
+                        torch.tensor([True, False]), 4, -1)
+    with pytest.raises(AbsentRowError):
+        absent.take(torch.tensor([1]), torch.tensor([0]))
 
 
 def _causal_prefix_features(ids: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
