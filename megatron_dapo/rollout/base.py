@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RaggedRows
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RaggedRows, RowArena
 
 FINISH_REASONS = ("stop", "length", "abort")
 """stop: an EOS / stop token ended the response (it is included); length: max_new_tokens reached;
@@ -385,10 +385,11 @@ def prompt_rows(prompts: Sequence[PromptInput], n: int, pad_id: int) -> RaggedRo
 def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[torch.Tensor],
                  log_probs: Sequence[torch.Tensor], *, finish_reason: Sequence[str], policy_version: Sequence[int],
                  meta: Sequence[dict], routed_experts: Sequence[torch.Tensor | None], pad_id: int,
-                 max_response_length: int) -> RolloutBatch:
+                 max_response_length: int, arena: RowArena | None = None) -> RolloutBatch:
     """The ragged RolloutBatch (rollout/ragged.py: real tokens only, every row present) of a prompt-major
     generation: n rows per prompt, row b's response `responses[b]` (token ids) with `log_probs[b]` (float32).
-    Its cost is one copy of the tokens, whatever max_response_length."""
+    Its cost is one copy of the tokens, whatever max_response_length; none when the rows were written into
+    `arena` as they arrived (the batch's rows are then the arena's, in arrival order)."""
     B = len(responses)
     if B != len(prompts) * n or not B:
         raise ValueError(f"ragged_batch: {B} rows for {len(prompts)} prompts x n={n}")
@@ -399,13 +400,17 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
         raise ValueError(f"ragged_batch: row {b} (prompt_id={prompts[b // n].prompt_id!r}, sample_index={b % n}) has "
                          f"{int(lengths[b])} response tokens > max_response_length={max_response_length}")
     present, prompt_ids = torch.ones(B, dtype=torch.bool), prompt_rows(prompts, n, pad_id)
+    placed = arena.rows(responses, log_probs, lengths, width=max_response_length, fill=pad_id) if arena else None
+    if placed is None:
+        placed = (RaggedRows(torch.cat(list(responses)).to(TOKEN_DTYPE), lengths, present, max_response_length, pad_id),
+                  RaggedRows(torch.cat(list(log_probs)).to(torch.float32), lengths.clone(), present.clone(),
+                             max_response_length, 0.0))
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_length=prompt_ids.lengths.clone(),
-        responses=RaggedRows(torch.cat(list(responses)).to(TOKEN_DTYPE), lengths, present, max_response_length, pad_id),
+        responses=placed[0],
         response_mask=None,
-        rollout_log_probs=RaggedRows(torch.cat(list(log_probs)).to(torch.float32), lengths.clone(), present.clone(),
-                                     max_response_length, 0.0),
+        rollout_log_probs=placed[1],
         response_length=lengths,
         sample_index=torch.arange(B, dtype=torch.int64) % n,
         policy_version=torch.tensor(list(policy_version), dtype=torch.int64),
@@ -418,12 +423,18 @@ def ragged_batch(prompts: Sequence[PromptInput], n: int, responses: Sequence[tor
 
 
 def rows_to_ragged(prompts: Sequence[PromptInput], n: int, rows: Sequence[BatchRow], *, pad_id: int,
-                   max_response_length: int) -> RolloutBatch:
+                   max_response_length: int, arena: RowArena | None = None) -> RolloutBatch:
     """`ragged_batch` of an engine's BatchRows (prompt-major, n per prompt)."""
     return ragged_batch(prompts, n, [r.tokens for r in rows], [r.log_probs for r in rows],
                         finish_reason=[r.finish_reason for r in rows], policy_version=[r.policy_version for r in rows],
                         meta=[r.meta for r in rows], routed_experts=[r.routed_experts for r in rows], pad_id=pad_id,
-                        max_response_length=max_response_length)
+                        max_response_length=max_response_length, arena=arena)
+
+
+def placed_row(row: BatchRow, arena: RowArena) -> BatchRow:
+    """`row` with its tokens and log-probs written into `arena` (in the thread that made the row)."""
+    tokens, log_probs = arena.place(row.tokens, row.log_probs)
+    return row._replace(tokens=tokens, log_probs=log_probs)
 
 
 def samples_to_ragged(samples: Sequence[Sample], *, n: int, pad_id: int, max_response_length: int) -> RolloutBatch:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -41,16 +42,34 @@ class AbsentRowError(LookupError):
 class RaggedRows:
     """Rows of different lengths, some possibly absent on this rank."""
 
-    values: Tensor  # [sum of the present rows' lengths]
+    values: Tensor  # [sum of the present rows' lengths], row after row (or anywhere: `starts`)
     lengths: Tensor  # [B] int64, every row's length (absent rows too)
     present: Tensor  # [B] bool
     width: int  # the dense width (max_response_length, or the widest prompt)
     fill: float  # dense padding (pad_id for tokens, 0 for log-probs)
+    starts: Tensor | None = None
+    """[B] int64, where each present row starts in `values` when the rows are not stored one after the other
+    in row order (a batch written in its replies' arrival order: `RowArena`); `compact()` gives the plain
+    layout, which whatever sends `values` to another rank or to disk uses."""
 
     def __post_init__(self):
-        held = int(self.lengths[self.present].sum())
-        if self.values.dim() != 1 or self.values.numel() != held:
-            raise ValueError(f"RaggedRows: {self.values.numel()} values for present rows of {held} entries")
+        if self.values.dim() != 1:
+            raise ValueError(f"RaggedRows: values of {self.values.dim()} dimensions")
+        if self.starts is None:
+            held = int(self.lengths[self.present].sum())
+            if self.values.numel() != held:
+                raise ValueError(f"RaggedRows: {self.values.numel()} values for present rows of {held} entries")
+            return
+        ends = (self.starts + self.lengths)[self.present]
+        if len(self.starts) != len(self.lengths) or bool((self.starts[self.present] < 0).any()) or (
+                len(ends) and int(ends.max()) > self.values.numel()):
+            raise ValueError(f"RaggedRows: row starts outside the {self.values.numel()} values")
+
+    def compact(self) -> RaggedRows:
+        """The same rows stored one after the other in row order (itself when they already are)."""
+        if self.starts is None:
+            return self
+        return self.index_select(torch.arange(len(self)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,6 +84,8 @@ class RaggedRows:
 
     @functools.cached_property
     def _starts(self) -> Tensor:
+        if self.starts is not None:
+            return self.starts
         held = torch.where(self.present, self.lengths, 0)
         return torch.cumsum(held, 0) - held
 
@@ -127,8 +148,54 @@ class RaggedRows:
 
     @staticmethod
     def cat(parts: Sequence[RaggedRows]) -> RaggedRows:
+        parts = [p.compact() for p in parts]
         return RaggedRows(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]),
                           torch.cat([p.present for p in parts]), max(p.width for p in parts), parts[0].fill)
+
+
+class RowArena:
+    """Where a generation batch's rows are written as their replies arrive, so that once the last reply is in
+    the batch needs no concatenation (`rollout.base.ragged_batch(arena=...)`): one reservation of rows x width
+    entries for the token ids and one for the log-probs, rows in arrival order, each row's place kept
+    (`RaggedRows.starts`). The reservation is address space only: a page becomes memory when a token is
+    written to it, so resident memory follows the real tokens (bench_rank0.py measures it). A row that does
+    not fit (a retried request's rows written twice) stays where it was, and the batch is then concatenated
+    as without an arena."""
+
+    def __init__(self, rows: int, width: int):
+        self.capacity = rows * width
+        self.ids = torch.empty(self.capacity, dtype=TOKEN_DTYPE)
+        self.log_probs = torch.empty(self.capacity, dtype=torch.float32)
+        self._used, self._lock = 0, threading.Lock()
+
+    def place(self, tokens: Tensor, log_probs: Tensor) -> tuple[Tensor, Tensor]:
+        """(tokens, log_probs) copied into the arena, as views of it (thread-safe: reply threads call it)."""
+        n = tokens.numel()
+        with self._lock:
+            start = self._used
+            if start + n > self.capacity:
+                return tokens, log_probs
+            self._used = start + n
+        ids, lps = self.ids[start:start + n], self.log_probs[start:start + n]
+        ids.copy_(tokens)
+        lps.copy_(log_probs)
+        return ids, lps
+
+    def rows(self, tokens: Sequence[Tensor], log_probs: Sequence[Tensor], lengths: Tensor, *, width: int,
+             fill: float) -> tuple[RaggedRows, RaggedRows] | None:
+        """The ragged (ids, log-probs) of rows whose tensors are all this arena's views (`place`), without
+        a copy; None when one is not."""
+        ids_ptr, lps_ptr = self.ids.untyped_storage().data_ptr(), self.log_probs.untyped_storage().data_ptr()
+        starts = []
+        for t, lp in zip(tokens, log_probs, strict=True):
+            if (t.untyped_storage().data_ptr() != ids_ptr or lp.untyped_storage().data_ptr() != lps_ptr
+                    or t.storage_offset() != lp.storage_offset()):
+                return None
+            starts.append(t.storage_offset())
+        starts_t, present = torch.tensor(starts, dtype=torch.int64), torch.ones(len(starts), dtype=torch.bool)
+        used = self._used
+        return (RaggedRows(self.ids[:used], lengths, present, width, fill, starts_t),
+                RaggedRows(self.log_probs[:used], lengths.clone(), present.clone(), width, 0.0, starts_t.clone()))
 
 
 def is_ragged(batch) -> bool:
@@ -207,6 +274,8 @@ def share_kept_rows(batch, *, group=None):
             rows: RaggedRows = getattr(batch, name)
             if not need:
                 continue
+            if dist.get_rank(group) == 0:
+                rows = rows.compact()  # the receivers read the values row after row
             n = int(rows.lengths.sum())
             # Token ids travel as TOKEN_DTYPE (a no-op on rank 0 for rows it holds so) and stay so on arrival
             # (the micro-batch builder reads them as int64).

@@ -248,7 +248,7 @@ def _scored_to_dict(b: ScoredBatch) -> dict[str, Any]:
     d["rollout"] = {f.name: getattr(rb, f.name) for f in dataclasses.fields(rb)
                     if f.name not in ("response_mask", "routed_experts")}
     for name in RAGGED_FIELDS:
-        rows: RaggedRows = d["rollout"][name]
+        rows: RaggedRows = d["rollout"][name].compact()  # values row after row, as the loader reads them
         if not rows.complete:
             raise ValueError(f"cannot save {name}: rows of other ranks are absent (rank 0 saves the buffer)")
         d["rollout"][name] = {"values": rows.values, "lengths": rows.lengths, "width": rows.width, "fill": rows.fill}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import (
+    BatchRow,
     PromptInput,
     RolloutEngine,
     RolloutEngineError,
@@ -14,10 +15,12 @@ from megatron_dapo.rollout.base import (
     check_generate_inputs,
     check_generate_output,
     derive_sample_seed,
+    placed_row,
+    rows_to_ragged,
     samples_to_batch,
     samples_to_ragged,
 )
-from megatron_dapo.rollout.ragged import RaggedRows, to_dense
+from megatron_dapo.rollout.ragged import RaggedRows, RowArena, to_dense
 
 
 def _sample(
@@ -232,6 +235,44 @@ def test_ragged_dense_is_one_copy_per_row_and_equals_a_masked_scatter():
     assert back.values.dtype == torch.int32 and torch.equal(back.dense(), expected)
     log_probs = RaggedRows.from_dense(expected.double(), lengths, 0.0)
     assert log_probs.values.dtype == log_probs.dense().dtype == torch.float64  # floats keep their dtype
+
+
+def test_rows_written_into_an_arena_in_arrival_order_make_the_batch_without_a_copy():
+    """Rows placed as their replies arrive (here b, then a's second row, then a's first) make the ragged
+    batch in place: the arena's values with each row's start; read, selected, densified, concatenated and
+    compacted, they equal the batch made by concatenation."""
+    prompts, n, width = [PromptInput("a", (1, 2)), PromptInput("b", (3,))], 2, 5
+    tokens = [torch.tensor(t, dtype=torch.int32) for t in ([10, 11, 12], [13], [], [14, 15, 16, 17, 18])]
+    logps = [-0.1 * (1 + torch.arange(len(t), dtype=torch.float32)) for t in tokens]
+    rows = [BatchRow(t, lp, "stop", 3, {}, None) for t, lp in zip(tokens, logps, strict=True)]
+    arena = RowArena(len(rows), width)
+    placed = [None] * 4
+    for b in (2, 3, 1, 0):  # arrival order
+        placed[b] = placed_row(rows[b], arena)
+    got = rows_to_ragged(prompts, n, placed, pad_id=0, max_response_length=width, arena=arena)
+    want = rows_to_ragged(prompts, n, rows, pad_id=0, max_response_length=width)
+    assert got.responses.values.data_ptr() == arena.ids.data_ptr()  # the arena's memory, no copy
+    assert got.responses.starts.tolist() == [6, 5, 0, 0] and got.responses.values.tolist() == [14, 15, 16, 17, 18, 13,
+                                                                                             10, 11, 12]
+    assert want.responses.starts is None
+    for name in ("responses", "rollout_log_probs"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert torch.equal(g.dense(), w.dense()), name
+        assert [g.row(b).tolist() for b in range(4)] == [w.row(b).tolist() for b in range(4)], name
+        sel = torch.tensor([3, 0])
+        assert g.index_select(sel).starts is None and torch.equal(g.index_select(sel).values, w.index_select(sel).values)
+        assert g.compact().starts is None and torch.equal(g.compact().values, w.values), name
+        assert torch.equal(RaggedRows.cat([g, w]).values, torch.cat([w.values, w.values])), name
+    assert torch.equal(got.responses.take(torch.tensor([0, 3, 1]), torch.tensor([2, 4, 0])), torch.tensor([12, 18, 13]))
+    # A row that no longer fits (a retried request's rows placed twice) stays where it was: the batch is then
+    # concatenated as without an arena.
+    full = RowArena(1, 3)
+    first, second = placed_row(rows[0], full), placed_row(rows[1], full)
+    assert first.tokens.data_ptr() == full.ids.data_ptr() and second.tokens is rows[1].tokens
+    assert full.rows([first.tokens, second.tokens], [first.log_probs, second.log_probs], torch.tensor([3, 1]),
+                     width=3, fill=0) is None
+    with pytest.raises(ValueError, match="row starts outside the 3 values"):
+        RaggedRows(torch.zeros(3), torch.tensor([2, 2]), torch.ones(2, dtype=torch.bool), 4, 0.0, torch.tensor([0, 2]))
 
 
 def test_rollout_engine_is_abstract_and_a_context_manager():

@@ -71,9 +71,10 @@ from megatron_dapo.rollout.base import (
     Sample,
     SamplingParams,
     check_generate_inputs,
+    placed_row,
     rows_to_ragged,
 )
-from megatron_dapo.rollout.ragged import TOKEN_DTYPE
+from megatron_dapo.rollout.ragged import TOKEN_DTYPE, RowArena
 from megatron_dapo.rollout.sglang import client
 from megatron_dapo.rollout.sglang.control import ServerControl
 from megatron_dapo.rollout.sglang.health import AllServersDown, ServerPool  # noqa: F401  (AllServersDown: API)
@@ -254,9 +255,12 @@ class SGLangEngine(ServerControl, RolloutEngine):
                        max_response_length: int) -> RolloutBatch:
         """`generate` as a ragged RolloutBatch: each reply becomes tensors of its real tokens in the worker
         thread that received it, while later replies are still generated; once the last one is in, the
-        batch is a concatenation (no Python Samples, no padding to max_response_length)."""
-        return rows_to_ragged(prompts, sampling.n, self._generate(prompts, sampling, self._row), pad_id=pad_id,
-                              max_response_length=max_response_length)
+        batch is the rows as written into an arena on arrival (rollout.ragged.RowArena: no Python Samples, no
+        padding to max_response_length, no concatenation after the last reply)."""
+        arena = RowArena(len(prompts) * sampling.n, max_response_length)
+        rows = self._generate(prompts, sampling, lambda *a: placed_row(self._row(*a), arena))
+        return rows_to_ragged(prompts, sampling.n, rows, pad_id=pad_id, max_response_length=max_response_length,
+                              arena=arena)
 
     def _generate(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable) -> list:
         """The rows of one call, prompt-major, each made by make(prompt, j, parsed, version) in the thread
@@ -318,12 +322,14 @@ class SGLangEngine(ServerControl, RolloutEngine):
         """`generate_streaming` as a ragged batch: each reply becomes tensors in the thread that received it
         (as `generate_batch`), the callback gets the completed groups as a ragged batch, and no Python
         sample is built."""
-        def batch_of(pairs: list[tuple[PromptInput, list[BatchRow]]]) -> RolloutBatch:
+        def batch_of(pairs: list[tuple[PromptInput, list[BatchRow]]], arena: RowArena | None = None) -> RolloutBatch:
             return rows_to_ragged([p for p, _ in pairs], sampling.n, [r for _, g in pairs for r in g], pad_id=pad_id,
-                                  max_response_length=max_response_length)
+                                  max_response_length=max_response_length, arena=arena)
 
-        groups = self._stream(prompts, sampling, self._row, lambda done: on_groups_done(batch_of(done)))
-        return batch_of(list(zip(prompts, groups, strict=True)))
+        arena = RowArena(len(prompts) * sampling.n, max_response_length)
+        groups = self._stream(prompts, sampling, lambda *a: placed_row(self._row(*a), arena),
+                              lambda done: on_groups_done(batch_of(done)))
+        return batch_of(list(zip(prompts, groups, strict=True)), arena)
 
     def _stream(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable,
                 report: Callable[[list[tuple[PromptInput, list]]], bool]) -> list[list]:
