@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 RAGGED_FIELDS = {"prompt_ids": "prompt_length", "responses": "response_length",
                  "rollout_log_probs": "response_length"}
@@ -164,8 +167,14 @@ class RowArena:
 
     def __init__(self, rows: int, width: int):
         self.capacity = rows * width
-        self.ids = torch.empty(self.capacity, dtype=TOKEN_DTYPE)
-        self.log_probs = torch.empty(self.capacity, dtype=torch.float32)
+        try:
+            self.ids = torch.empty(self.capacity, dtype=TOKEN_DTYPE)
+            self.log_probs = torch.empty(self.capacity, dtype=torch.float32)
+        except RuntimeError as e:  # a host that refuses the address space (vm.overcommit_memory=2): no arena
+            log.warning("no row arena for %d rows x %d (%s): the batch is concatenated after the last reply",
+                        rows, width, e)
+            self.capacity = 0
+            self.ids, self.log_probs = torch.empty(0, dtype=TOKEN_DTYPE), torch.empty(0, dtype=torch.float32)
         self._used, self._lock = 0, threading.Lock()
 
     def place(self, tokens: Tensor, log_probs: Tensor) -> tuple[Tensor, Tensor]:

@@ -237,7 +237,7 @@ def test_ragged_dense_is_one_copy_per_row_and_equals_a_masked_scatter():
     assert log_probs.values.dtype == log_probs.dense().dtype == torch.float64  # floats keep their dtype
 
 
-def test_rows_written_into_an_arena_in_arrival_order_make_the_batch_without_a_copy():
+def test_rows_written_into_an_arena_in_arrival_order_make_the_batch_without_a_copy(monkeypatch):
     """Rows placed as their replies arrive (here b, then a's second row, then a's first) make the ragged
     batch in place: the arena's values with each row's start; read, selected, densified, concatenated and
     compacted, they equal the batch made by concatenation."""
@@ -271,6 +271,18 @@ def test_rows_written_into_an_arena_in_arrival_order_make_the_batch_without_a_co
     assert first.tokens.data_ptr() == full.ids.data_ptr() and second.tokens is rows[1].tokens
     assert full.rows([first.tokens, second.tokens], [first.log_probs, second.log_probs], torch.tensor([3, 1]),
                      width=3, fill=0) is None
+    # A host that refuses the reservation (strict overcommit) gets no arena, and the same batch.
+    real_empty = torch.empty
+
+    def refusing(size, *a, **k):
+        if isinstance(size, int) and size > 100:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_empty(size, *a, **k)
+
+    monkeypatch.setattr(torch, "empty", refusing)
+    refused = RowArena(100, 5)
+    assert refused.capacity == 0 and placed_row(rows[0], refused).tokens is rows[0].tokens
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="row starts outside the 3 values"):
         RaggedRows(torch.zeros(3), torch.tensor([2, 2]), torch.ones(2, dtype=torch.bool), 4, 0.0, torch.tensor([0, 2]))
 
