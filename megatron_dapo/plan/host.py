@@ -5,8 +5,9 @@ Each term is a tensor or list the code holds, at the size the recipe gives it (w
 Rank 0 drives the SGLang servers (rollout/rank0.py); the other ranks hold their share of the rows.
 
 rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
-- generation batch: R x L x 8 B (int32 ids, float32 log-probs: rollout.ragged.TOKEN_DTYPE) twice while the
-  rows' tensors are concatenated (`rollout.base.ragged_batch`);
+- generation batch: R x L x 8 B (int32 ids, float32 log-probs: rollout.ragged.TOKEN_DTYPE) twice: the rows'
+  tensors as each reply is parsed, and the batch's arena they are written into (`rollout.ragged.RowArena`;
+  the parsed tensors are freed into the process's heap, which keeps them, so the resident peak counts both);
 - replies received and not yet rows: REPLIES_HELD replies of n rows, ~150 B a token (JSON bytes, the
   parsed lists, the float64 column);
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
