@@ -14,6 +14,7 @@ from megatron_dapo.models.weights import (
     canonical_name,
     partition_dims,
 )
+from tests.standin import free_port
 
 
 def _fake_model(layer_number: int, experts: int, ep: int):
@@ -114,7 +115,7 @@ def _run_stage_state(tmp_path, layouts):
         torch.save(canon[preset], tmp_path / f"canonical_{preset}.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(29100 + os.getpid() % 150), str(root / "tests/models/_mp_stage_state.py"),
+           "--master_port", str(free_port()), str(root / "tests/models/_mp_stage_state.py"),
            str(tmp_path), *layouts]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -28,6 +28,7 @@ from megatron_dapo.rollout.base import (
 )
 from megatron_dapo.rollout.local_engine import LocalEngine
 from megatron_dapo.rollout.sampling import filter_logits, sample_next_tokens
+from tests.standin import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB, PAD, EOS = 16, 0, 1
@@ -419,7 +420,7 @@ def test_the_streaming_stop_is_decided_on_rank_0_and_reaches_every_rank(tmp_path
     rank 0's callback error reaches rank 1 as a named error."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29450 + os.getpid() % 150), str(ROOT / "tests/rollout/_mp_stream_decide.py"),
+           "--master_port", str(free_port()), str(ROOT / "tests/rollout/_mp_stream_decide.py"),
            str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -551,7 +552,7 @@ def test_tp2_ranks_agree_and_equal_tp1(pgs, tmp_path):
     ref = engine(bare(actor), pgs).generate(PROMPTS, TP_SAMPLING)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29500 + (os.getpid() + 317) % 1000), __file__, str(tmp_path)]
+           "--master_port", str(free_port()), __file__, str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"tp2_rank{i}.pt", weights_only=False) for i in (0, 1)]

@@ -14,6 +14,7 @@ import torch
 from megatron_dapo.rollout.base import PromptInput, Sample, samples_to_batch
 from megatron_dapo.rollout.ragged import AbsentRowError, to_dense, to_ragged
 from megatron_dapo.rollout.rank0 import decode_batch, encode_batch, rows_of, shard_tokens
+from tests.standin import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def test_wire_round_trip_gives_each_rank_its_own_rows_ragged():
 def test_rank0_drives_the_engine_and_every_rank_gets_the_same_batch_errors_and_rewards(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29300 + os.getpid() % 150), str(ROOT / "tests/rollout/_mp_rank0.py"), str(tmp_path)]
+           "--master_port", str(free_port()), str(ROOT / "tests/rollout/_mp_rank0.py"), str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     b0, b1 = (torch.load(tmp_path / f"batch{k}.pt", weights_only=True) for k in (0, 1))

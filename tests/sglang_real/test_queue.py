@@ -25,6 +25,7 @@ import requests
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.sglang_real.conftest import ROOT, model_overrides
+from tests.standin import free_port
 from tests.trainer import test_fault_injection as fi
 
 STEPS = fi.STEPS
@@ -134,7 +135,7 @@ def test_four_process_async_queue_trainer_on_two_real_servers(real_servers, tmp_
     import subprocess
 
     marks = _marks(real_servers)
-    port = 29500 + (os.getpid() + 7 * len(layout[0])) % 400
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(fi.FAULT_RUN), str(tmp_path),
            *_overrides(real_servers, "trainer.n_gpus_per_node=4", *layout)]

@@ -26,6 +26,7 @@ from tests.sglang_real.conftest import (
     free_port_pair,
     model_overrides,
 )
+from tests.standin import free_port
 
 STEPS = 3
 MEAN_DIFF_TOL = 1e-5
@@ -121,7 +122,7 @@ def test_python_m_train_against_real_servers(real_servers, tmp_path):
     [],  # data parallel 2
 ], ids=["tp2", "pp2", "dp2"])
 def test_two_process_layouts_reach_every_server_with_every_tensor(real_servers, tmp_path, layout):
-    port = 29500 + (os.getpid() + len(layout) * 7 + sum(map(len, layout))) % 400
+    port = free_port()
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
           "--master_port", str(port), str(ROOT / "tests/sglang_real/_mp_train.py"), str(tmp_path),
           *train_overrides(real_servers.model_dir, real_servers.tokenizer_dir, _urls(real_servers),

@@ -21,7 +21,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.standin import StandinServer
+from tests.standin import StandinServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB = 18  # the arithmetic task's character tokenizer
@@ -112,7 +112,7 @@ def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(de
     tmp, hf_dir, urls, servers = dense
     layout = ["trainer.n_gpus_per_node=4", "parallel.tensor_model_parallel_size=2",
               "parallel.pipeline_model_parallel_size=2", "actor.offload_optimizer=true"]
-    port = 29400 + os.getpid() % 100
+    port = free_port()
     scalars, report, stats = _launch(tmp / "full", _overrides(hf_dir, urls, *layout), 4, port)
     _check_every_step(scalars, report, [1, 2, 3])
     # Every rank, every step: the servers release, the optimizer comes back, the update's two optimizer
@@ -167,7 +167,7 @@ def test_tp2_pp2_trains_3_steps_with_every_tensor_at_every_server_and_resumes(de
     # Resuming at step 2 (its checkpoint) in fresh processes gives the uninterrupted run's step 3.
     ckpt = tmp / "full/tiny_cpu/ckpt/global_step_2"
     resumed, report2, _ = _launch(tmp / "resumed", _overrides(hf_dir, urls, *layout, f"trainer.resume_mode={ckpt}"),
-                                  4, port + 1)
+                                  4, free_port())
     _check_every_step(resumed, report2, [3])
     for tag in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
         assert resumed[tag][3] == pytest.approx(scalars[tag][3], rel=1e-5, abs=1e-7), tag
@@ -190,7 +190,7 @@ def test_tp2_ep2_moe_trains_3_steps_with_every_expert_at_every_server(tmp_path):
         layout = ["trainer.n_gpus_per_node=4", "parallel.tensor_model_parallel_size=2",
                   "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"]
         scalars, report, _ = _launch(tmp_path / "moe", _overrides(hf_dir, [s.url for s in servers], *layout), 4,
-                                     29500 + os.getpid() % 100)
+                                     free_port())
         _check_every_step(scalars, report, [1, 2, 3])
         assert any(".mlp.experts.3." in name for name in servers[0].checksums()[1])
     finally:
@@ -207,7 +207,7 @@ def test_pp2_dp2_with_virtual_stages_trains_3_steps(dense, tmp_path):
     _, hf_dir, urls, _ = dense
     layout = ["trainer.n_gpus_per_node=4", "parallel.pipeline_model_parallel_size=2",
               "parallel.virtual_pipeline_model_parallel_size=2"]
-    scalars, report, _ = _launch(tmp_path / "vpp", _overrides(hf_dir, urls, *layout), 4, 29600 + os.getpid() % 100)
+    scalars, report, _ = _launch(tmp_path / "vpp", _overrides(hf_dir, urls, *layout), 4, free_port())
     _check_every_step(scalars, report, [1, 2, 3])
 
 
@@ -232,7 +232,7 @@ def test_a_server_killed_mid_generation_leaves_the_rotation_and_the_run_finishes
                "rollout.mode=disaggregate"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(29700 + os.getpid() % 100), "-m", "megatron_dapo.train", "--config",
+               "--master_port", str(free_port()), "-m", "megatron_dapo.train", "--config",
                "configs/tiny_cpu.yaml", *cfg, f"trainer.output_dir={tmp_path}"]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         out = r.stdout + r.stderr
@@ -252,7 +252,7 @@ def test_colocated_ipc_transport_reaches_every_server_from_the_node_leader(dense
     _, hf_dir, urls, _ = dense
     layout = ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2", "rollout.weight_transport=ipc",
               "trainer.total_training_steps=2"]
-    scalars, report, stats = _launch(tmp_path / "ipc", _overrides(hf_dir, urls, *layout), 2, 29800 + os.getpid() % 100)
+    scalars, report, stats = _launch(tmp_path / "ipc", _overrides(hf_dir, urls, *layout), 2, free_port())
     _check_every_step(scalars, report, [1, 2])
     assert [s["tensors"] for s in stats[0]] == [report[0]["expected"]] * 3 and all(s["tensors"] == 0 for s in stats[1])
 
@@ -275,7 +275,7 @@ def test_ipc_transport_across_two_nodes_feeds_each_nodes_servers_from_its_leader
         out = tmp_path / "two_nodes"
         out.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        port = 29850 + os.getpid() % 100
+        port = free_port()
         # Output to files, not pipes: the torch_shm_manager of the ipc handles outlives the agents (until the
         # stand-ins release the tensors) and would hold a pipe open, so reading it to EOF would wait for that.
         files = [open(out / f"agent{node}.log", "w") for node in (0, 1)]

@@ -11,11 +11,9 @@ PP 2 x EP 2 with full recompute on 4 (R3 and R2).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.standin import StandinServer
+from tests.standin import StandinServer, free_port
 from tests.trainer.test_cluster_in_a_box import _check_every_step, _hf_model, _launch, _overrides
 
 
@@ -67,7 +65,7 @@ def test_replay_at_the_moe_layout_on_4_processes(moe, layout, mode):
     take their layers); r2 in the full trainer at PP 2 with full recompute."""
     tmp, hf_dir, urls = moe
     overrides = _overrides(hf_dir, urls, "trainer.n_gpus_per_node=4", *LAYOUTS[layout], f"actor.router_replay={mode}")
-    port = 29300 + (os.getpid() + 17 * list(LAYOUTS).index(layout) + 7 * (mode == "r2")) % 100
+    port = free_port()
     scalars, report, _ = _launch(tmp / f"{layout}_{mode}", overrides, 4, port)
     _check_every_step(scalars, report, [1, 2, 3])
     _check_replay(scalars, [1, 2, 3], mode)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.sglang.drafter import drafter_sync
-from tests.standin import StandinServer
+from tests.standin import StandinServer, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VOCAB = 18  # the arithmetic task's character tokenizer
@@ -138,7 +138,7 @@ def test_with_two_pipeline_stages_the_last_stage_sends_the_drafter(hf_dir, tmp_p
     with speculative_server(hf_dir, tmp_path, "0.5.23") as srv:
         layout = ["trainer.n_gpus_per_node=2", "parallel.pipeline_model_parallel_size=2"]
         r, report, _ = launch(tmp_path / "run", overrides(hf_dir, [srv.url], *layout), nproc=2,
-                              port=29800 + os.getpid() % 100)
+                              port=free_port())
         check_every_sync(r, report)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.config import load_config
+from tests.standin import free_port
 from tests.workers._actor_cases import (
     PAD,
     VOCAB,
@@ -164,7 +165,7 @@ def test_dp2_update_equals_dp1_and_tp2_log_probs_equal_tp1(pgs, tmp_path):
     torch.save({"params": flat_params(a), "log_probs": ref_lp, "grads": grads}, tmp_path / "dp1.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29500 + os.getpid() % 1000), str(ROOT / "tests/workers/_mp_actor.py"), str(tmp_path)]
+           "--master_port", str(free_port()), str(ROOT / "tests/workers/_mp_actor.py"), str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ref = torch.load(tmp_path / "dp1.pt", weights_only=True)

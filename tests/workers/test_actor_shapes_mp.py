@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from tests.standin import free_port
 from tests.workers._actor_cases import random_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def moe_batch() -> dict:
 def _torchrun(script: str, nproc: int, out_dir, timeout: int):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(29500 + (os.getpid() + nproc) % 1000), str(ROOT / script), str(out_dir)]
+           "127.0.0.1", "--master_port", str(free_port()), str(ROOT / script), str(out_dir)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tests.standin import free_port
 from tests.workers._actor_cases import random_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def one_process(tmp_path_factory):
 def test_replay_at_the_moe_layout_routes_every_rank_and_layer_as_recorded(one_process, layout):
     out, ref = one_process
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    port = 29500 + (os.getpid() + 37 * ["tp2_ep2", "pp2_ep2", "pp2_vpp2_ep2"].index(layout)) % 1000
+    port = free_port()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
                         "127.0.0.1", "--master_port", str(port), str(ROOT / "tests/workers/_mp_replay.py"), layout,
                         str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
