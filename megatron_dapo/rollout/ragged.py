@@ -63,9 +63,10 @@ class RaggedRows:
             if self.values.numel() != held:
                 raise ValueError(f"RaggedRows: {self.values.numel()} values for present rows of {held} entries")
             return
+        if self.starts.shape != self.lengths.shape:
+            raise ValueError(f"RaggedRows: {len(self.starts)} row starts for {len(self.lengths)} rows")
         ends = (self.starts + self.lengths)[self.present]
-        if len(self.starts) != len(self.lengths) or bool((self.starts[self.present] < 0).any()) or (
-                len(ends) and int(ends.max()) > self.values.numel()):
+        if bool((self.starts[self.present] < 0).any()) or (len(ends) and int(ends.max()) > self.values.numel()):
             raise ValueError(f"RaggedRows: row starts outside the {self.values.numel()} values")
 
     def compact(self) -> RaggedRows:
