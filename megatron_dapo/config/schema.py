@@ -374,7 +374,7 @@ class QueueConfig:
     partial_rollout: bool = False
     """Async mode: generation running at a weight push continues under the new weights instead of finishing first. SGLang: paused in place around the push (servers without radix cache); local engine: aborted and continued from the prefix."""
     num_producers: int = 0
-    """Async mode: rollout producers writing into the queue: threads on rank 0, each keeping one claim in flight at the SGLang servers, or processes with a local engine each. 0 = auto: with SGLang, enough threads to keep a generation batch in flight in claims of claim_prompts; with the local engine, one process."""
+    """Async mode: rollout producers writing into the queue: threads in one process beside rank 0, each keeping one claim in flight at the SGLang servers (and scoring and writing it there, off the training process), or processes with a local engine each. 0 = auto: with SGLang, enough threads to keep a generation batch in flight in claims of claim_prompts; with the local engine, one process."""
     claim_prompts: int = 64
     """Async mode: prompts a producer claims and generates at a time (at most a generation batch's share per producer). Small claims let finished groups reach the trainer while the longest responses of other claims still generate, so the long tail of a batch is hidden behind training."""
 

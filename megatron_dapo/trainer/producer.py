@@ -355,6 +355,20 @@ def sampling_params(cfg, *, eos_id: int) -> SamplingParams:
 # ------------------------------------------------------------------------------ producer processes
 
 
+def as_own_world() -> None:
+    """In a spawned producer process: no torchrun variables (it is a world of its own), and the kernel
+    SIGKILLs it when the trainer that started it dies (PR_SET_PDEATHSIG, Linux)."""
+    import ctypes
+    import signal
+
+    for var in _DIST_ENV:
+        os.environ.pop(var, None)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def producer_main(cfg, queue: TransferQueue, producer_id: int, weights_dir: str, stop, parent_pid: int,
                   claim_size: int) -> None:
     """Body of a producer process (multiprocessing spawn): its own LocalEngine on the published weights.
@@ -362,8 +376,7 @@ def producer_main(cfg, queue: TransferQueue, producer_id: int, weights_dir: str,
     Runs until `stop` is set or the trainer process is gone (an orphan of a killed trainer exits
     by itself; its late writes are refused by the claim-token check anyway).
     """
-    for var in _DIST_ENV:
-        os.environ.pop(var, None)
+    as_own_world()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer{producer_id} %(levelname)s %(message)s")
     from megatron_dapo.rewards.build import build_reward_manager
 

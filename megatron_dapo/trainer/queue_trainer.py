@@ -27,8 +27,9 @@ Modes.
   the sync trainer's, so with parameter_sync_step = 1 a run equals `DAPOTrainer.fit` step for step
   (tested). Nothing of the queue outlives a step.
 - async (max_staleness >= 1): rollout producers run while the actor trains. With SGLang
-  (rollout.engine=sglang, disaggregated servers) they are `queue.num_producers` threads on rank 0
-  sending claims of `queue.claim_prompts` prompts to the servers (server_producers.py); every weight push reaches every server with
+  (rollout.engine=sglang, disaggregated servers) they are `queue.num_producers` threads in a process
+  beside rank 0 sending claims of `queue.claim_prompts` prompts to the servers, scoring and writing them
+  off the training process (server_producers.py); every weight push reaches every server with
   its version, generation paused in place around it (queue.partial_rollout: running samples continue
   under the new weights, each row keeping the versions its tokens came from) or the producers
   drained first (every sample from one version). With the local engine (one process) they are
@@ -41,7 +42,7 @@ Modes.
   (stale_policy=correct). Leftover groups wait for the next local update. A producer that dies is
   restarted and its running claims are reissued.
 
-Processes: the queue and the producers live on global rank 0; it collects each local update's batch
+Processes: the queue and the producers live beside global rank 0; it collects each local update's batch
 (gen, dynamic sampling, the staleness check: queue_collect.py) and sends it to every rank (real tokens only, as flat
 tensors: `_share_batch`),
 and every rank runs the actor's passes and the weight push, as in the sync trainer. An error in rank
@@ -90,7 +91,7 @@ from megatron_dapo.trainer.producer import (
     sampling_params,
 )
 from megatron_dapo.trainer.queue_collect import STATE, TRAIN, QueueCollection
-from megatron_dapo.trainer.server_producers import ServerProducers
+from megatron_dapo.trainer.server_producers import ProducerProcess
 from megatron_dapo.workers import memory
 
 log = logging.getLogger(__name__)
@@ -127,10 +128,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         self._row_info = getattr(parts.reward_manager.score_fn, "takes_row_info", False)
         # The reward stage runs in the producers, on each claim before its write (claim_reward.py): the
         # in-process producer of sync mode scores with the trainer's reward manager (one thread uses it at a
-        # time); the SGLang producer threads get one of their own (_recover_queue), since validation scores
-        # with the trainer's while they run, and a reward manager's worker pipes serve one caller at a time.
+        # time); the producer processes build their own.
         self.scorer = ClaimScorer(parts.tokenizer, parts.reward_manager)
-        self._producer_rewards = None  # the SGLang producer threads' reward manager
         # The engine rank 0 drives itself (SGLang: the client inside RankZeroEngine; None on other ranks).
         self.driven = parts.engine.engine if isinstance(parts.engine, RankZeroEngine) else parts.engine
         self.sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
@@ -139,7 +138,7 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         self.weights = None if self.sync_mode or self.on_servers else \
             WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
         self.pool: ProducerPool | None = None  # local engine: producer processes
-        self.producers: ServerProducers | None = None  # SGLang: producer threads on rank 0
+        self.producers: ProducerProcess | None = None  # SGLang: the producer process beside rank 0
         self._held: ScoredBatch | None = None  # rank 0: the batch being shared (_next_batch, _share_batch)
         self._min_versions: torch.Tensor | None = None  # [B] of the last local update's rows (dumps)
         self._stale_dropped = 0  # groups sent back for regeneration as too stale (stale_policy=drop), this process
@@ -348,9 +347,6 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         if self.producers is not None:
             self.producers.close()
             self.producers = None
-        if self._producer_rewards is not None:
-            self._producer_rewards.close()
-            self._producer_rewards = None
         if self.queue is not None:
             self.queue.close()
 
@@ -388,12 +384,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
         num, claim_size = producer_layout(self.cfg.queue, gen_batch=self.gbs, on_servers=self.on_servers)
         if not self.sync_mode and self.on_servers:
-            from megatron_dapo.rewards.build import build_reward_manager
-
-            self._producer_rewards = build_reward_manager(self.cfg)
-            self.producers = ServerProducers(self.queue_path, self.driven, sampling=self.sampling, num=num,
-                                             claim_size=claim_size,
-                                             scorer=ClaimScorer(self.p.tokenizer, self._producer_rewards))
+            self.producers = ProducerProcess(self.queue, self.driven, sampling=self.sampling, num=num,
+                                             claim_size=claim_size, global_steps=lambda: self.global_step,
+                                             cfg=self.cfg)
             self.producers.start()
         elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))

@@ -391,3 +391,44 @@ def test_a_probe_from_before_a_server_came_back_does_not_take_it_down_again():
     assert [e.kind for e in pool.events if e.url == B].count("down") == 1
     pool.poll_once()  # a real refusal in a later round still takes it down
     assert pool.state[B] == "down"
+
+
+def test_a_follower_takes_the_leaders_states_and_keeps_a_server_it_lost_down_until_the_leader_saw_it():
+    """A follower pool (another process's engine, sglang/follower.py) is never polled: it takes the leader's
+    states (a pause, a down server, a stale one) as they come; a server one of its own requests lost goes
+    down at once, is reported (with the requests re-sent), and stays down through states from before the leader's failure."""
+    leader, reported = _pool(Script()), []
+    follower = _pool(Script(), report=lambda *report: reported.append(report))
+    follower.follow(leader.leader_states())
+    assert follower.state == {A: "up", B: "up"}
+    leader.pause("in_place")
+    follower.follow(leader.leader_states())
+    assert follower.state == {A: "paused", B: "paused"} and not follower.up()
+    leader.resume_generation()
+    follower.follow(leader.leader_states())
+    assert follower.up() == [A, B]
+    follower.mark_down(B, "/generate: ConnectionError: refused")
+    assert reported == [("down", B, "/generate: ConnectionError: refused")] and follower.up() == [A]
+    follower.note_reissue(B, A, 2)
+    assert reported[1] == ("reissue", B, A, 2)
+    follower.follow(leader.leader_states())  # the leader has not seen it yet: B stays down here
+    assert follower.state[B] == "down"
+    leader.mark_down(B, "a producer's request: refused")  # what the follower's report does
+    follower.follow(leader.leader_states())
+    assert follower.state[B] == "down"
+    leader.observe(B, Probe(True, "0"))  # back with the current weights
+    follower.follow(leader.leader_states())
+    assert follower.up() == [A, B]
+    assert leader.take_counts()["failures"] == 1
+
+
+def test_a_follower_with_no_server_up_in_the_leaders_states_raises_all_servers_down_after_the_timeout():
+    leader, follower = _pool(Script()), _pool(Script())
+    leader.mark_down(A, "gone")
+    leader.mark_down(B, "gone")
+    follower.follow(leader.leader_states())
+    with follower.cond:
+        follower.check_any_up()  # the clock starts
+    time.sleep(0.35)
+    with pytest.raises(AllServersDown, match="http://a"), follower.cond:
+        follower.check_any_up()

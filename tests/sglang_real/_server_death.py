@@ -3,7 +3,8 @@ lost node or an OOM kill ends it) while step KILL_STEP's generation has requests
 
     torchrun --nproc_per_node 2 tests/sglang_real/_server_death.py OUT MODE key=value ...
 
-With queue.enable=true the queue trainer runs instead (the probe follows each paused push).
+With queue.enable=true the queue trainer runs instead (the probe follows each paused push); its producer
+process sends the requests, so the kill waits for a prefill in the victim's log instead of rank 0's count.
 
 MODE "restart": the trainer launched two servers and restarts the one that died; before the sync of
 version REJOIN_VERSION rank 0 waits until the restarted server answers /health (a restart takes ~40 s on
@@ -49,16 +50,31 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def start_killer(trainer, engine, url: str, pid: int, events: dict) -> None:
-    """A thread that kills `pid` once step KILL_STEP's generation has sequences on `url`."""
+def start_killer(trainer, busy, url: str, pid: int, events: dict) -> None:
+    """A thread that kills `pid` once step KILL_STEP's generation has sequences on `url` (busy())."""
 
     def watch():
-        while not (trainer.global_step == KILL_STEP - 1 and engine._inflight_items[url] > 0):
+        while not (trainer.global_step == KILL_STEP - 1 and busy()):
             time.sleep(0.001)
         kill_tree(pid)
         events["killed_at"], events["killed_url"] = time.time(), url
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def prefilled_since_step(trainer, log_path):
+    """busy() for requests the queue trainer's producer process sends (rank 0's engine sends none): the
+    server's log shows a prefill (a request started) after step KILL_STEP - 1 was reached."""
+    state = {"at": None}
+
+    def busy() -> bool:
+        if state["at"] is None:
+            state["at"] = log_path.stat().st_size
+            return False
+        with open(log_path, "rb") as f:
+            f.seek(state["at"])
+            return b"Prefill batch" in f.read()
+    return busy
 
 
 def main(out: str, mode: str, overrides: list[str]) -> None:
@@ -71,9 +87,14 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
         engine = rz.engine
         if mode == "restart":
             victim = rz.servers[1]
-            start_killer(trainer, engine, victim.url, victim.process.pid, events)
+            if cfg.queue.enable and cfg.queue.max_staleness > 0:  # the producer process sends the requests
+                busy = prefilled_since_step(trainer, victim.log_path)
+            else:
+                busy = lambda: engine._inflight_items[victim.url] > 0  # noqa: E731
+            start_killer(trainer, busy, victim.url, victim.process.pid, events)
         else:
-            start_killer(trainer, engine, engine.urls[0], int(mode.split(":", 1)[1]), events)
+            url = engine.urls[0]
+            start_killer(trainer, lambda: engine._inflight_items[url] > 0, url, int(mode.split(":", 1)[1]), events)
         acquire = engine._acquire_url
 
         def recorded_acquire(items=1):

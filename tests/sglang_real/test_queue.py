@@ -1,7 +1,8 @@
 """The queue trainer's async mode against the two real SGLang 0.5.23 servers of the session (conftest).
 
-Runs tests/trainer/_fault_run.py (4 steps, a checkpoint every 2, queue.max_staleness=1) with rollout
-producer threads on rank 0 sending claims to both servers while the actor trains, weight pushes into
+Runs tests/trainer/_fault_run.py (4 steps, a checkpoint every 2, queue.max_staleness=1) with the rollout
+producers (two threads in a process beside rank 0) sending claims to both servers while the actor trains,
+weight pushes into
 running generation (queue.partial_rollout: /pause_generation in place, the push without a cache flush,
 /continue_generation), and checks at every layout:
 - exactly once (tests/trainer/test_fault_injection.py): each issued prompt consumed once, each step
@@ -9,7 +10,8 @@ running generation (queue.partial_rollout: /pause_generation in place, the push 
 - versions: every row's versions are ones the trainer pushed, within max_staleness of the policy it
   trains, and each server reports the last push's version;
 - the servers saw every push inside a pause: /pause_generation, the update session, /continue_generation.
-The kill cases SIGKILL the trainer at a stage and restart it against the same servers.
+The kill cases SIGKILL the trainer at a stage and restart it against the same servers, or SIGKILL the
+producer process mid-claim (the trainer restarts it and trains on).
 """
 
 from __future__ import annotations
@@ -110,12 +112,25 @@ def test_queue_trainer_without_in_place_pushes_on_two_real_servers(real_servers,
     _check_run(tmp_path, real_servers, marks, mode=mode)
 
 
-@pytest.mark.parametrize("fault,last_good", [("producer_generation:3", 2), ("weight_sync:3", 2),
-                                             ("after_update_actor:3", 2), ("checkpoint_write:4", 2)])
+def test_a_killed_producer_process_is_restarted_and_each_prompt_is_trained_once(real_servers, tmp_path):
+    """SIGKILL of the producer process with a claim of step 3 generated and not written (its other thread's
+    requests cut mid-generation): the trainer reissues the dead process's running prompts, starts a new one
+    and runs to the end, every prompt trained once."""
+    once = tmp_path / "fired"
+    marks = _marks(real_servers)
+    run = fi._launch(tmp_path, *_overrides(real_servers), fault="producer_generation:3", once=once, timeout_s=900)
+    fi._ok(run)
+    assert once.exists(), "the producer fault never fired"
+    assert "the SGLang producer process died (exit code -9); reissued its" in run.stderr
+    _check_run(tmp_path, real_servers, marks)
+
+
+@pytest.mark.parametrize("fault,last_good", [("weight_sync:3", 2), ("after_update_actor:3", 2),
+                                             ("checkpoint_write:4", 2)])
 def test_a_killed_async_trainer_resumes_against_the_same_servers_and_trains_each_prompt_once(
         real_servers, tmp_path, fault, last_good):
-    """SIGKILL during generation (inside a producer thread), during a push (the servers paused in place,
-    holding the dead trainer's requests), after an update, and while writing the last checkpoint; the
+    """SIGKILL during a push (the servers paused in place, holding the dead trainer's requests), after an
+    update, and while writing the last checkpoint (its producer process dies with it); the
     restart reconnects to the servers (which kept running), resumes and empties them, pushes checkpoint c
     and recovers the queue."""
     c = fi._crash(tmp_path, fault, *_overrides(real_servers))
@@ -130,7 +145,7 @@ def test_a_killed_async_trainer_resumes_against_the_same_servers_and_trains_each
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
                                     ["parallel.pipeline_model_parallel_size=2"]], ids=["tp2xdp2", "pp2xdp2"])
 def test_four_process_async_queue_trainer_on_two_real_servers(real_servers, tmp_path, layout):
-    """torchrun, 4 processes (TP2 x DP2, PP2 x DP2): rank 0 holds the queue and the producers, every rank
+    """torchrun, 4 processes (TP2 x DP2, PP2 x DP2): rank 0 holds the queue and starts the producer process, every rank
     trains each step and takes part in every push."""
     import subprocess
 

@@ -84,6 +84,20 @@ class ServerControl:
             logger.info("SGLang servers report neither max_req_input_len nor context_length: prompts that do not "
                         "fit are not refused before sending")
 
+    def connect_facts(self) -> dict[str, Any]:
+        """What `_connect` read of the servers, for an engine over the same servers in another process
+        (sglang/follower.py), which takes them (`_adopt`) instead of reading them again."""
+        return {"version": self.sglang_version, "features": self.features, "seeds_honoured": self.seeds_honoured,
+                "context_length": self._context_length, "capacity": dict(self.capacity),
+                "model": self.model_identity}
+
+    def _adopt(self, facts: dict[str, Any]) -> None:
+        self.sglang_version, self.features = facts["version"], facts["features"]
+        self.seeds_honoured, self._context_length = facts["seeds_honoured"], facts["context_length"]
+        self.capacity, self.model_identity = dict(facts["capacity"]), facts["model"]
+        self._spec = spec_fields(self.features)
+        self._warned_unseeded = False
+
     def _server_info(self, url: str) -> dict:
         """/server_info (0.5.8+), else the deprecated /get_server_info (which releases before 0.5.8 had)."""
         last = ""

@@ -130,6 +130,8 @@ class SGLangEngine(ServerControl, RolloutEngine):
         restart: Callable[[str], None] | None = None,
         stop_server: Callable[[str], None] | None = None,
         return_routed_experts: RoutingLayout | None = None,
+        facts: dict | None = None,
+        leader: Callable[..., None] | None = None,
     ):
         """require_deterministic: refuse servers that ignore sampling seeds (launched without
         --enable-deterministic-inference). require_memory_saver: refuse servers launched without
@@ -142,7 +144,11 @@ class SGLangEngine(ServerControl, RolloutEngine):
         loading is stopped when the actor's training begins (stop_server; None: left to load). return_routed_experts:
         the model's router layout to ask every request for its MoE routing (R3, actor.router_replay) and
         keep it as Sample.routed_experts [L, P + R - 1, K] (sglang/routing.py); the servers must run a release
-        with it, launched with --enable-return-routed-experts, or the engine refuses at connect. None: off."""
+        with it, launched with --enable-return-routed-experts, or the engine refuses at connect. None: off.
+        facts / leader: an engine that follows another one's servers from another process (sglang/follower.py):
+        what that one read at connect (`connect_facts`), and where a server this one loses and the requests
+        it re-sends are reported (ServerPool `report`; its pool is not polled: it takes the leader's states,
+        `follow`)."""
         if return_routed_experts is not None and not isinstance(return_routed_experts, RoutingLayout):
             raise ValueError(f"SGLangEngine return_routed_experts must be a RoutingLayout or None, "
                              f"got {return_routed_experts!r}")
@@ -202,15 +208,25 @@ class SGLangEngine(ServerControl, RolloutEngine):
         self._closed = False
         self.pool: ServerPool | None = None
         try:
-            self._connect(require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
+            if facts is None:
+                self._connect(require_deterministic=require_deterministic, require_memory_saver=require_memory_saver)
+            else:
+                self._adopt(facts)
         except BaseException:
             self.close()
             raise
         self.pool = ServerPool(self.urls, self._slot_free, probe=self.probe, expected_version=lambda: self._policy_version,
                                interval_s=health_check_interval_s, down_timeout_s=server_down_timeout_s, restart=restart,
                                model=self.model_identity, busy=lambda url: self._inflight[url] > 0, stop=stop_server,
-                               post=lambda url, path, body: self._post_control(url, path, body, self.control_timeout_s))
-        self.pool.start()
+                               post=lambda url, path, body: self._post_control(url, path, body, self.control_timeout_s),
+                               report=leader)
+        if facts is None:
+            self.pool.start()
+
+    def follow(self, states: dict, policy_version: int) -> None:
+        """A follower (`facts` given): take the leader engine's server states and weight version."""
+        self._policy_version = policy_version
+        self.pool.follow(states)
 
     # ----------------------------------------------------------------------------- generation
 

@@ -145,11 +145,15 @@ class ServerPool:
                  expected_version: Callable[[], int], interval_s: float = 5.0, down_timeout_s: float = 600.0,
                  fail_after: int = 3, restart: Callable[[str], None] | None = None, model: tuple | None = None,
                  post: Callable[[str, str, object], str | None] | None = None,
-                 busy: Callable[[str], bool] = lambda url: False, stop: Callable[[str], None] | None = None):
+                 busy: Callable[[str], bool] = lambda url: False, stop: Callable[[str], None] | None = None,
+                 report: Callable[..., None] | None = None):
         """model: the (model_type, architectures) the servers reported at connect; a server that comes back
         serving another model stays down. post(url, path, body): one control request, None on success else
         the error text. busy(url): the server has generation requests in flight (the engine's count).
-        stop(url): end a relaunch in progress (a release stops one still loading; None: left to load)."""
+        stop(url): end a relaunch in progress (a release stops one still loading; None: left to load).
+        report: a follower's line to its leader (`follow`), called outside the lock as report("down", url,
+        error) when this pool takes a live server down and report("reissue", url, survivor, requests) when
+        requests of a lost server were re-sent."""
         if not interval_s > 0 or not down_timeout_s > 0 or fail_after < 1:
             raise ValueError(f"ServerPool: interval_s and down_timeout_s must be > 0 and fail_after >= 1, got "
                              f"{interval_s!r}, {down_timeout_s!r}, {fail_after!r}")
@@ -168,6 +172,11 @@ class ServerPool:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.report = report
+        self._leader_epoch: dict[str, int] = {}
+        """Following (`follow`): each server's epoch in the leader's last states."""
+        self._down_here: dict[str, int] = {}
+        """Following: servers this pool took down itself, with the leader's epoch for each at that moment."""
 
     # ------------------------------------------------------------------------------------ queries
     @property
@@ -231,6 +240,8 @@ class ServerPool:
                 return
             s.life, s.last_error, s.misses = DOWN, error, 0
             s.epoch += 1
+            if url in self._leader_epoch:
+                self._down_here[url] = self._leader_epoch[url]
             self._counts["failures"] += 1
             self._event("down", url, error)
             if not any(x.life == UP for x in self._s.values()) and self._none_up_since is None:
@@ -246,6 +257,8 @@ class ServerPool:
                     start = self._begin_restart(url)
         if start:
             self._spawn_restart(url)
+        if self.report is not None:
+            self.report("down", url, error)
 
     def _begin_restart(self, url: str) -> bool:
         """(cond held) The old process goes: a relaunched one holds all its memory and is not paused."""
@@ -289,6 +302,8 @@ class ServerPool:
         with self.cond:
             self._counts["reissued_requests"] += requests
             self._event("reissue", url, f"request re-sent to {survivor}")
+        if self.report is not None:
+            self.report("reissue", url, survivor, requests)
 
     def mark_up(self, url: str, why: str) -> None:
         """Back with the current weights (its memory and pause state unchanged)."""
@@ -430,6 +445,33 @@ class ServerPool:
         with self.cond:
             self._event("released", url, f"answered while the actor trains: released {sorted(new)}")
         return True
+
+    # ------------------------------------------------------------------------------------ following
+    def leader_states(self) -> dict[str, tuple[str, bool, frozenset, int]]:
+        """Each server's (life, paused, released, epoch): what a follower pool takes (`follow`)."""
+        with self.cond:
+            return {u: (s.life, s.paused, s.released, s.epoch) for u, s in self._s.items()}
+
+    def follow(self, states: dict[str, tuple[str, bool, frozenset, int]]) -> None:
+        """Take the states of a leader pool: the pool of the engine in another process that probes,
+        restarts, pauses and releases the servers, while this one (not started: no poller, no restarts)
+        only sends generation requests (sglang/follower.py). A server this pool took down itself (a
+        request's connection failed; `report` told the leader) stays down until the leader's epoch for it
+        passes the one it had then: the leader saw the failure, or the server failed and came back since."""
+        with self.cond:
+            for url, (life, paused, released, epoch) in states.items():
+                s = self._s[url]
+                self._leader_epoch[url] = epoch
+                if url in self._down_here:
+                    if epoch <= self._down_here[url]:
+                        continue
+                    del self._down_here[url]
+                s.life, s.paused, s.released = life, paused, frozenset(released)
+            if any(s.life == UP for s in self._s.values()):
+                self._none_up_since = None
+            elif self._none_up_since is None:
+                self._none_up_since = time.monotonic()
+            self.cond.notify_all()
 
     # ------------------------------------------------------------------------------------ waiting
     def check_any_up(self) -> None:
