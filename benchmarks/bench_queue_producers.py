@@ -89,6 +89,8 @@ def _config(out: str, max_len: int):
     write_char_tokenizer(os.path.join(out, "tokenizer"))  # an HF fast tokenizer, as the recipe's
     pathlib.Path(out, "reward.py").write_text(REWARD)
     return load_config(overrides=[f"data.tokenizer={out}/tokenizer", f"data.max_response_length={max_len}",
+                                  f"actor.max_tokens_per_microbatch={PROMPT_LEN + max_len}",
+                                  f"data.max_prompt_length={PROMPT_LEN}",
                                   f"reward.custom_function.path={out}/reward.py", "reward.custom_function.name=parity"])
 
 
@@ -130,7 +132,7 @@ def _run(rows: int, args) -> dict:
             import gc
 
             gc.collect()
-            rss = PeakRSS(0.05).start()
+            rss = PeakRSS(0.5).start()  # seldom: its own samples count as the trainer's CPU
             cpu0, main0 = _cpu_s(), time.thread_time()
             t0 = time.monotonic()
             producers.start()
