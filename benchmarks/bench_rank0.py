@@ -35,6 +35,14 @@ after generation with `stages.score`),
 - bytes between ranks (tensors and pickled objects rank 0 sent or received).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]
+        [--r3 LAYERS TOP_K EXPERTS]
+
+`--r3` (rollout routing replay): every reply item also carries `meta_info.routed_experts` as SGLang sends
+it (base64 of int32 [prompt + response - 1, layers, top-k], random ids below EXPERTS), the client asks for
+and decodes it (rollout/sglang/routing.py) in its reply threads, and the rows keep it through dynamic
+sampling (`routing_rows_kept`: the kept rows that still hold it on rank 0; `--constant-share` makes a share of
+the groups constant, as dynamic sampling sees in a run, so that they are dropped). At the Qwen3-30B-A3B layout
+(48 8 128) that is 2,048 bytes of JSON a token: run it at a smaller --mean-len on this machine.
 
 BENCH_PROFILE=DIR writes each rank's cProfile of the phases after generation to DIR/rank<k>.prof.
 
@@ -45,7 +53,9 @@ It ends with one JSON line: `rows`, `mean_response_tokens`, `serial_s_after_last
 from __future__ import annotations
 
 import argparse
+import base64
 import http.server
+import inspect
 import json
 import math
 import os
@@ -59,6 +69,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -103,17 +115,20 @@ class ReplayServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 2048
 
-    def __init__(self, port: int, *, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float):
-        self.max_len, self.window_s = max_len, window_s
+    def __init__(self, port: int, *, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float,
+                 routing: tuple[int, int, int] | None = None):
+        """routing: (layers, top-k, experts) of the MoE layout whose routed experts every item carries (R3), or
+        None."""
+        self.max_len, self.window_s, self.routing = max_len, window_s, routing
         self.mu, self.sigma = capped_lognormal_mu(mean_len, sigma, max_len), sigma
         info = json.loads((ASSETS / "sglang-0.5.23-server-info.json").read_text())
         # The recipe's context: prompt + max_response_length (the recorded tiny server had 66 positions).
         info.update(context_length=PROMPT_LEN + max_len + 2, max_req_input_len=PROMPT_LEN + max_len - 4,
-                    max_running_requests=rows)
+                    max_running_requests=rows, enable_return_routed_experts=routing is not None)
         self.infos = {"/server_info": json.dumps(info).encode(),
                       "/model_info": (ASSETS / "sglang-0.5.23-model-info.json").read_bytes()}
         record = json.loads((ASSETS / "sglang-0.5.23-generate-reply.json").read_bytes())[0]
-        self.meta_keys = [k for k in record["meta_info"] if k != "routed_experts"]
+        self.meta_keys = [k for k in record["meta_info"] if k != "routed_experts" or routing is not None]
         # Entries are built from a table of recorded-looking triples: [logprob, token, null] with the
         # log-prob at full double precision, as SGLang's orjson writes it.
         rng = random.Random(5)
@@ -148,6 +163,7 @@ class ReplayServer(http.server.ThreadingHTTPServer):
         is due."""
         lengths = self.quantiles[g * N:(g + 1) * N]
         rng = random.Random(g)
+        ids_rng = np.random.default_rng(g)
         items = []
         for L in lengths:
             picks = [self.table[rng.randrange(len(self.table))] for _ in range(L)]
@@ -161,6 +177,10 @@ class ReplayServer(http.server.ThreadingHTTPServer):
                     "cached_tokens": 0, "weight_versions": [{"version": "0", "start": 0, "end": L}],
                     "cached_tokens_details": None, "dp_rank": None, "e2e_latency": 1.0,
                     "response_sent_to_client_ts": time.time()}
+            if self.routing is not None:  # SGLang's R3 field: base64 of int32 [prompt + response - 1, layers, top-k]
+                layers, top_k, experts = self.routing
+                routed = ids_rng.integers(0, experts, size=(len(prompt) + L - 1) * layers * top_k, dtype="<i4")
+                meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode()
             meta = {k: meta[k] for k in self.meta_keys}
             head = json.dumps({"text": "".join(c for _, _, c in picks), "output_ids": ids, "meta_info": meta},
                               separators=(",", ":"))
@@ -208,9 +228,10 @@ class ReplayHandler(http.server.BaseHTTPRequestHandler):
         self._send(data)
 
 
-def _serve(port: int, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float) -> None:
-    ReplayServer(port, rows=rows, mean_len=mean_len, sigma=sigma, max_len=max_len,
-                 window_s=window_s).serve_forever()
+def _serve(port: int, rows: int, mean_len: int, sigma: float, max_len: int, window_s: float,
+           routing: tuple[int, int, int] | None = None) -> None:
+    ReplayServer(port, rows=rows, mean_len=mean_len, sigma=sigma, max_len=max_len, window_s=window_s,
+                 routing=routing).serve_forever()
 
 
 # -- the trainer ranks -----------------------------------------------------------------------------------
@@ -242,7 +263,8 @@ def _count_wire(counter: dict) -> None:
     objects("broadcast_object_list", 0)
 
 
-def _worker(out: str, url: str, rows: int, max_len: int) -> None:
+def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int, int] | None = None,
+            constant_share: float = 0.0) -> None:
     import torch.distributed as dist
 
     from benchmarks._peak_rss import PeakRSS
@@ -276,8 +298,11 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
                 with held_lock:
                     held[0] -= 1
         SGLangEngine._run_batch = timed_run_batch
+        from megatron_dapo.rollout.sglang.routing import RoutingLayout
+
         engine = SGLangEngine([url], max_concurrency=prompts, max_batch_size=N, health_check_interval_s=3600,
-                              request_timeout_s=3600)
+                              request_timeout_s=3600,
+                              return_routed_experts=RoutingLayout(*routing) if routing is not None else None)
         post = engine._http.post
 
         def timed_post(*a, **k):  # the reply's bytes are read when post returns (no streaming)
@@ -298,12 +323,15 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
     _count_wire(wire)
     driver = RankZeroEngine(engine, rank=rank, world_size=WORLD, group=group)
     records = [PromptRecord(uid=f"q{i}", prompt_ids=prompt_ids(i),
-                            raw_prompt="q", ground_truth="even", data_source="synthetic") for i in range(prompts)]
+                            raw_prompt="q", ground_truth="const" if _constant(i, constant_share) else "even",
+                            data_source="synthetic") for i in range(prompts)]
     sampling = SamplingParams(max_new_tokens=max_len, n=N, temperature=1.0, stop_token_ids=(EOS,))
     buffer = GroupBuffer(enable=True, metric="acc", max_num_gen_batches=0, on_exhausted="raise",
                          train_batch_size=prompts // 3, n=N, ppo_mini_batch_size=1, pad_id=0)
 
     def parity_reward(solution_str, ground_truth):  # about half the rows right: most groups informative
+        if ground_truth == "const":  # --constant-share: every row of the group scores 0, dynamic sampling drops it
+            return {"score": 0.0, "acc": False}
         ok = solution_str.count("7") % 2 == 0
         return {"score": float(ok), "acc": ok}
 
@@ -340,8 +368,10 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
         # the reward stage after generation reuses those scores. The old path (every rank scores its rows
         # after generation) stays for comparison: BENCH_SCORE_AFTER=1.
         after = os.environ.get("BENCH_SCORE_AFTER") == "1" or not hasattr(StopWhenFull, "scoring_only")
+        # As the trainer with dynamic sampling on: a constant group's R3 routing goes when it is scored.
+        drops = {"drops_constant": True} if "drops_constant" in inspect.signature(StopWhenFull).parameters else {}
         stop = None if after else StopWhenFull.scoring_only(metric="acc", score_groups=stages.group_scorer(
-            records, group_suffix="1.0", n=N, tokenizer=tokenizer, reward_manager=rm))
+            records, group_suffix="1.0", n=N, tokenizer=tokenizer, reward_manager=rm), **drops)
         rollout = stages.generate(driver, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len,
                                   on_groups_done=stop)
         marks["batch_on_every_rank"] = time.time()
@@ -371,7 +401,8 @@ def _worker(out: str, url: str, rows: int, max_len: int) -> None:
     result = {"rank": rank, "peak_gib": peak / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
               "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0],
               "score_beside_s": beside, "scored_after": stop is None, "last_reply": max(replies) if replies else None,
-              "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train)}
+              "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train),
+              "routing_rows_kept": sum(r is not None for r in batch.rollout.routed_experts or [])}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier(group=group)
@@ -393,8 +424,9 @@ def _run(rows: int, args) -> dict:
     window = args.window_s_full * rows / FULL_ROWS
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    r3 = [",".join(map(str, args.r3))] if args.r3 else []
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(rows), str(args.mean_len),
-                               str(args.sigma), str(args.max_len), str(window)], env=env)
+                               str(args.sigma), str(args.max_len), str(window), *r3], env=env)
     try:
         deadline = time.monotonic() + 900  # the server builds every reply before it listens
         while True:
@@ -411,7 +443,7 @@ def _run(rows: int, args) -> dict:
             write_char_tokenizer(os.path.join(out, "tokenizer"))  # an HF fast tokenizer, as the recipe's
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr",
                    "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker", out,
-                   f"http://127.0.0.1:{port}", str(rows), str(args.max_len)]
+                   f"http://127.0.0.1:{port}", str(rows), str(args.max_len), str(args.constant_share), *r3]
             r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)
             if r.returncode:
                 sys.exit(r.stdout[-4000:] + r.stderr[-4000:])
@@ -442,7 +474,7 @@ def _run(rows: int, args) -> dict:
             "other_rank_peak_gib": round(max(rk["peak_gib"] for rk in ranks[1:]), 3),
             "planned_rank0_gib": round(sum(planned0.values()) / 2**30, 3),
             "planned_other_gib": round(sum(planned.values()) / 2**30, 3),
-            "replies_held_max": ranks[0]["replies_held_max"],
+            "replies_held_max": ranks[0]["replies_held_max"], "routing_rows_kept": ranks[0]["routing_rows_kept"],
             "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
 
 
@@ -471,20 +503,39 @@ def check_sizes(p: argparse.ArgumentParser, rows: list[int], why: str = "") -> N
         p.error(f"--rows: two different sizes, multiples of {N} and at least {6 * N}{why}")
 
 
+def _constant(i: int, share: float) -> bool:
+    """Whether prompt i is one of the --constant-share prompts (spread evenly over the batch)."""
+    return int((i + 1) * share) > int(i * share)
+
+
+def _layout(arg: list[str]) -> tuple[int, int, int] | None:
+    """The --r3 layout as the server and worker processes receive it ("layers,top_k,experts"), or None."""
+    return tuple(int(x) for x in arg[0].split(",")) if arg else None
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         port, rows, mean_len, sigma, max_len, window = sys.argv[2:8]
-        _serve(int(port), int(rows), int(mean_len), float(sigma), int(max_len), float(window))
+        _serve(int(port), int(rows), int(mean_len), float(sigma), int(max_len), float(window), _layout(sys.argv[8:9]))
         return
     if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), _layout(sys.argv[7:8]),
+                float(sys.argv[6]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size_arguments(p, [768, 1536], "two sizes (multiples of 16)")
     p.add_argument("--window-s-full", type=float, default=1200.0,
                    help="generation seconds of the full 24,576-row batch (scaled by rows)")
+    p.add_argument("--r3", type=int, nargs=3, metavar=("LAYERS", "TOP_K", "EXPERTS"),
+                   help="every reply carries its routed experts (R3) for this MoE layout, e.g. 48 8 128 "
+                        "(Qwen3-30B-A3B: 2,048 bytes of base64 a token); the client decodes and keeps them")
+    p.add_argument("--constant-share", type=float, default=0.0,
+                   help="share of the prompts whose every response scores the same (dynamic sampling drops their "
+                        "groups; the recipe generates 3x the prompts it trains for them), e.g. 0.6")
     args = p.parse_args()
     check_sizes(p, args.rows, " (a third of the groups is trained)")
+    if not 0.0 <= args.constant_share <= 2 / 3:
+        p.error("--constant-share: between 0 and 2/3 (a third of the prompts is trained)")
     figures = []
     for rows in args.rows:
         f = _run(rows, args)
@@ -505,7 +556,8 @@ def main() -> None:
     full["serial_s_at_128_ranks"] = round(full["serial_s_after_last_reply"] - full["score_local_s"] * share, 2)
     phases = extrapolate_phases(a, b, PHASES)
     print(f"extrapolated to {FULL_ROWS} rows: {full}, phases {phases}")
-    print(json.dumps({"trainer": "sync", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,
+    print(json.dumps({"trainer": "sync", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len, "r3": args.r3,
+                      "constant_share": args.constant_share,
                       "max_len": args.max_len, **full, "phases_s": phases, "extrapolated_from": [f["rows"] for f in figures],
                       "measured": figures}))
 

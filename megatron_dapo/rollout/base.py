@@ -247,7 +247,9 @@ GroupsDone = Callable[[list[list["Sample"]]], bool]
 
 BatchGroupsDone = Callable[["RolloutBatch"], bool]
 """on_groups_done(batch) -> stop: the groups that just completed as one ragged RolloutBatch (n rows per
-group, prompt-major, every row present)."""
+group, prompt-major, every row present). A callback that knows a row will not be trained (its group is
+dropped by dynamic sampling) may set `batch.routed_experts[i] = None`: an engine that keeps routing (R3)
+then frees its own copy of that row's, so the batch it returns holds None there."""
 
 
 class RolloutEngine(abc.ABC):

@@ -191,10 +191,16 @@ class StopWhenFull:
     `stages.score_streamed` scores it again after generation, where the error reaches every rank.
 
     With a need, groups wait unscored while even all of them together could not meet it: the answer is the
-    same, with fewer reward calls (the first ones of a generation batch cannot stop it)."""
+    same, with fewer reward calls (the first ones of a generation batch cannot stop it).
 
-    def __init__(self, *, need: int | None, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch]):
+    drops_constant: dynamic sampling will drop the groups whose metric is constant (filter_groups.enable).
+    Their R3 routing is then released as they are scored (`BatchGroupsDone`: the engine frees its copy), so
+    rank 0 holds the routing of the informative groups only, not of the whole generation batch."""
+
+    def __init__(self, *, need: int | None, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch],
+                 drops_constant: bool = False):
         self.need, self.metric, self.score_groups = need, metric, score_groups
+        self.drops_constant = drops_constant
         self.informative = 0
         self.pending: list[RolloutBatch] = []
         self.scored: dict[str, tuple[ScoredBatch, int]] = {}
@@ -202,13 +208,14 @@ class StopWhenFull:
         (stages.score_streamed), so a complete group is scored once."""
 
     @classmethod
-    def scoring_only(cls, *, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch]) -> StopWhenFull:
-        return cls(need=None, metric=metric, score_groups=score_groups)
+    def scoring_only(cls, *, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch],
+                     drops_constant: bool = False) -> StopWhenFull:
+        return cls(need=None, metric=metric, score_groups=score_groups, drops_constant=drops_constant)
 
     def __call__(self, done: RolloutBatch) -> bool:
         if self.need is None:
             try:
-                self._score(done)
+                self._score(done, [done])
             except Exception:  # noqa: BLE001 - scored again after generation, where it raises on every rank
                 pass
             return False
@@ -216,10 +223,11 @@ class StopWhenFull:
         if self.informative + sum(len(set(b.index)) for b in self.pending) < self.need:
             return False
         pending, self.pending = self.pending, []
-        self._score(concat_rollouts(pending, pad_id=0))  # ragged rows: no padding is made
+        self._score(concat_rollouts(pending, pad_id=0), pending)  # ragged rows: no padding is made
         return self.informative >= self.need
 
-    def _score(self, batch: RolloutBatch) -> None:
+    def _score(self, batch: RolloutBatch, parts: list[RolloutBatch]) -> None:
+        """Score `batch` (the concatenation of the callback's `parts`, or the one part)."""
         scored = self.score_groups(batch)
         # Kept until the reward stage reads its values: not the tokens, which the generation batch holds too.
         scored = dataclasses.replace(scored, rollout=without_tokens(scored.rollout))
@@ -228,8 +236,15 @@ class StopWhenFull:
             first_row.setdefault(gid, row)
         for gid, first in first_row.items():
             self.scored[gid] = (scored, first)
+        informative = set(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
         if self.need is not None:
-            self.informative += len(select_informative_groups(scored.rollout.index, scored.metric_values(self.metric)))
+            self.informative += len(informative)
+        if self.drops_constant:  # groups `add` will drop (complete groups: no aborted row to leave out)
+            for part in parts:
+                if part.routed_experts is not None:
+                    for i, gid in enumerate(part.index):
+                        if gid not in informative:
+                            part.routed_experts[i] = None
 
 
 def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]]:

@@ -272,11 +272,11 @@ class DAPOTrainer:
         cfg, p = self.cfg, self.p
         scorer = stages.group_scorer(records, group_suffix=group_suffix, n=cfg.rollout.n, tokenizer=p.tokenizer,
                                      reward_manager=p.reward_manager)
-        metric = cfg.algorithm.filter_groups.metric
-        if cfg.algorithm.filter_groups.streaming:
-            return StopWhenFull(need=self.buffer.needed, metric=metric, score_groups=scorer)
+        fg = cfg.algorithm.filter_groups
+        if fg.streaming:
+            return StopWhenFull(need=self.buffer.needed, metric=fg.metric, score_groups=scorer, drops_constant=fg.enable)
         if cfg.rollout.engine == "sglang":
-            return StopWhenFull.scoring_only(metric=metric, score_groups=scorer)
+            return StopWhenFull.scoring_only(metric=fg.metric, score_groups=scorer, drops_constant=fg.enable)
         return None
 
     def _keep_finished(self, rollout, records, drawn: list[int]):

@@ -269,6 +269,33 @@ def test_engine_returns_the_routing_of_prompt_and_response_on_every_sample(moe_d
         assert torch.equal(s.routed_experts.sort(dim=-1).values.long(), reference_routing(moe_dir, fed))
 
 
+def test_routing_a_streaming_callback_releases_is_freed_in_the_batch_the_engine_returns(moe_dir, tmp_path):
+    """BatchGroupsDone: the callback sets the routing of the rows it will not train to None (a group dynamic
+    sampling drops); the engine lets its own copy go, so the returned batch holds None for exactly those rows
+    and the others' routing intact."""
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=4)
+    prompts = [PromptInput("a", (5, 7, 3, 9, 4)), PromptInput("b", (8, 8, 1)), PromptInput("c", (2, 6))]
+    seen = {}
+
+    def release_b(batch):
+        for i, gid in enumerate(batch.index):
+            seen[(gid, i % 2)] = batch.routed_experts[i].clone()
+            if gid == "b":
+                batch.routed_experts[i] = None
+        return False
+
+    with StandinServer(model_path=moe_dir, args=[ROUTED_EXPERTS_FLAG], log_dir=tmp_path) as srv:
+        with SGLangEngine([srv.url], return_routed_experts=layout) as engine:
+            batch = engine.generate_batch_streaming(prompts, SamplingParams(max_new_tokens=4, n=2), pad_id=0,
+                                                    max_response_length=4, on_groups_done=release_b)
+    assert batch.index == ["a", "a", "b", "b", "c", "c"]
+    for i, gid in enumerate(batch.index):
+        if gid == "b":
+            assert batch.routed_experts[i] is None
+        else:
+            assert torch.equal(batch.routed_experts[i], seen[(gid, i % 2)])
+
+
 def test_engine_refuses_servers_launched_without_the_switch_and_the_toy_cannot_launch_with_it(tmp_path):
     layout = RoutingLayout(num_layers=2, top_k=2, num_experts=4)
     with StandinServer(toy=True, emulate_version="0.5.8", log_dir=tmp_path) as srv:

@@ -106,6 +106,37 @@ def test_scoring_only_scores_each_group_as_it_completes_never_stops_and_leaves_a
     assert kept.index == ["b", "b", "c", "c"] and not kept.responses.present.any() and kept.responses.values.numel() == 0
 
 
+@pytest.mark.parametrize("need", [None, 3], ids=["scoring-only", "stop-when-full"])
+def test_the_routing_of_groups_dynamic_sampling_drops_is_released_as_they_are_scored(need):
+    """R3: with filter_groups on (drops_constant), a constant group's routing is set to None in the batch the
+    engine reported (the engine then frees its copy, BatchGroupsDone); informative groups keep theirs, and
+    with filtering off every group does. A group not scored yet (need mode, waiting) keeps its routing."""
+    acc = {"a": [1, 1], "b": [0, 1], "c": [0, 0], "d": [1, 0]}
+
+    def score_groups(batch):
+        return ragged_scored({gid: acc[gid] for gid in dict.fromkeys(batch.index)})
+
+    def group(gid):
+        rollout = to_ragged(scored({gid: [0, 0]}).rollout, pad_id=0)
+        routing = [torch.full((2, 3, 1), ord(gid), dtype=torch.uint8) for _ in range(2)]
+        return dataclasses.replace(rollout, routed_experts=routing)
+
+    for drops in (True, False):
+        stop = StopWhenFull(need=need, metric="acc", score_groups=score_groups, drops_constant=drops)
+        reported = [group(g) for g in "abcd"]
+        for b in reported:
+            stop(b)
+        held = {b.index[0]: [r is not None for r in b.routed_experts] for b in reported}
+        if not drops:
+            assert all(all(v) for v in held.values())
+        elif need is None:  # each group scored as it came: a and c are constant
+            assert held == {"a": [False, False], "b": [True, True], "c": [False, False], "d": [True, True]}
+        else:  # a, b, c scored together once they could meet the need; d waits unscored
+            assert held == {"a": [False, False], "b": [True, True], "c": [False, False], "d": [True, True]}
+            assert stop.pending == [reported[3]]
+        assert torch.equal(reported[1].routed_experts[0], torch.full((2, 3, 1), ord("b"), dtype=torch.uint8))
+
+
 def test_a_group_with_any_aborted_sample_is_cut():
     rollout = scored({"a": [1, 0], "b": [1, 0], "c": [0, 1]}, aborted=frozenset({("b", 1)})).rollout
     assert finished_groups(rollout, 2) == ([0, 2], [1])
