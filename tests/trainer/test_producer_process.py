@@ -24,6 +24,8 @@ from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.trainer.queue_trainer import TRAIN
 from megatron_dapo.trainer.server_producers import ProducerError, ProducerProcess
 from tests.standin import StandinServer
+from tests.trainer.test_server_producers import _put_prompts, _status
+from tests.trainer.test_server_producers import _wait_until as wait_until
 
 SAMPLING = SamplingParams(max_new_tokens=6, n=2, temperature=1.0)
 ARGS = ["--enable-deterministic-inference"]
@@ -53,22 +55,12 @@ def queue(tmp_path):
     q.close()
 
 
-def _put(queue, keys, *, seed=11, step=1):
-    queue.put(TRAIN, keys, {"prompts": [[1, 2, 3 + i] for i in range(len(keys))], "seed": [seed] * len(keys)},
-              {"global_steps": step})
+def _put(queue, keys, *, step=1):
+    _put_prompts(queue, keys, seed=11, step=step)
 
 
-def _status(queue, keys):
-    return [t["status"] for t in queue.get_tags(TRAIN, keys)]
-
-
-def _wait_until(pred, timeout_s=WAIT_S):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+def _wait_until(pred, timeout_s=WAIT_S):  # the process takes seconds to start: a longer bound
+    return wait_until(pred, timeout_s)
 
 
 def _process(queue, engine, *, num=2, claim_size=2, step=1):
