@@ -80,3 +80,71 @@ def test_1536_requests_under_ulimit_n_1024_finish_with_no_server_marked_down(tmp
         assert got["samples"] == got["finished"] == 1536
         assert got["failures"] == 0 and got["up"] == 2, got
         assert len(a.requests("/generate")) + len(b.requests("/generate")) == 1536
+
+
+class _Replies:
+    """A loopback HTTP/1.1 server answering each POST with `body`, or with a Content-Length above what it
+    then sends before it closes the connection (`cut`); records the client port of every request."""
+
+    def __init__(self, body: bytes, *, cut: bool = False):
+        import http.server
+        import threading
+
+        outer = self
+        self.ports: list[int] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.ports.append(self.client_address[1])
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body) + (100 if cut else 0)))
+                self.end_headers()
+                self.wfile.write(body)
+                if cut:
+                    self.close_connection = True
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/generate"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_reply_larger_than_a_read_chunk_arrives_whole_and_the_connection_is_reused():
+    body = json.dumps([{"text": "x" * (client.READ_CHUNK + 12_345)}, {"i": 2}]).encode()
+    srv = _Replies(body)
+    try:
+        session = client.shared_session(1, 4)
+        for _ in range(3):
+            status, got = client.post_read(session, srv.url, {"rid": ["a"]}, timeout=(5, 5))
+            assert status == 200 and got == body
+        assert len(set(srv.ports)) == 1  # the connection went back to the pool after each body was read
+    finally:
+        srv.close()
+
+
+def test_a_connection_lost_mid_body_raises_what_the_engine_reads_as_a_lost_server():
+    srv = _Replies(b'{"text": "' + b"y" * 50_000, cut=True)
+    try:
+        session = client.shared_session(1, 4)
+        try:
+            client.post_read(session, srv.url, {"rid": ["a"]}, timeout=(5, 5))
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+            assert not client.is_client_resource_error(e)
+        else:
+            raise AssertionError("a body cut short was returned as a whole reply")
+    finally:
+        srv.close()
+
+
+def test_an_error_body_is_cut_to_the_characters_asked_for_even_mid_character():
+    assert client.body_text("é".encode() * 400, 5) == "ééééé"
+    assert client.body_text(b"abc\xff", 10) == "abc\ufffd"

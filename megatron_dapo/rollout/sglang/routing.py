@@ -13,16 +13,22 @@ an int32 tensor [S, L, K], token-major. The S rows are the positions 0 .. P + R 
 `decode_routed_experts` turns that into the layer-first tensor the trainer replays, [L, S, K]: uint8
 expert ids (int16 above 256 experts), checked against the model (size, ids < num_experts).
 
+Cost: a reply carries L x K x 4 x 4/3 bytes of base64 per token (2,048 at 48 layers x top-8), 147 M routed
+tokens per generation batch at the recipe's volume. pybase64 (SIMD, and it releases the GIL) decodes it at
+0.16 us a token against the standard library's 7.5 (48 x 8 x 128, 6,000 tokens, one core of the 2-core
+CI machine, `time.process_time`); the narrowing to uint8 happens before the [S, L, K] -> [L, S, K]
+transpose, so the copy moves a quarter of the bytes. The whole decode is about 0.8 us a token.
+
 Shape legend: L num_hidden_layers, S routed tokens = P + R - 1, K num_experts_per_tok (top-k).
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
 from dataclasses import dataclass
 
 import numpy as np
+import pybase64
 import torch
 
 from megatron_dapo.models.arch import expert_id_dtype
@@ -75,7 +81,7 @@ def decode_routed_experts(
     if not isinstance(value, str):
         raise ValueError(f"{field} must be a base64 str, got {type(value).__name__}")
     try:
-        raw = base64.b64decode(value, validate=True)
+        raw = pybase64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"{field} is not base64 ({e})") from e
     per_token = num_layers * top_k
@@ -94,6 +100,9 @@ def decode_routed_experts(
         raise ValueError(
             f"{field} holds expert id {bad}, outside 0 .. {num_experts - 1} (num_experts={num_experts})"
         )
-    # [S, L, K] -> [L, S, K]: the trainer replays one layer at a time.
-    out = torch.from_numpy(ids.reshape(num_tokens, num_layers, top_k).transpose(1, 0, 2).copy())
-    return out.to(expert_id_dtype(num_experts))
+    # narrow first (ids are in range), then [S, L, K] -> [L, S, K]: the trainer replays one layer at a time.
+    narrow = ids.reshape(num_tokens, num_layers, top_k).astype(_NUMPY_DTYPE[expert_id_dtype(num_experts)])
+    return torch.from_numpy(np.ascontiguousarray(narrow.transpose(1, 0, 2)))
+
+
+_NUMPY_DTYPE = {torch.uint8: np.uint8, torch.int16: np.int16}
