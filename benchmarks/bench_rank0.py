@@ -31,7 +31,8 @@ after generation with `stages.score`),
 - `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
   read, parse, row building; Python holds the GIL for nearly all of it);
 - peak resident memory above the start of the batch, per rank, beside the planner's figure for the same
-  data path (`plan.host.data_path`: this size, the mean length, no step tensors, 1 text byte a token);
+  data path (`plan.host.data_path`: this size, the mean length, no step tensors, 1 text byte a token; with
+  --r3 its routing terms: every row's routing, no group dropped, and the replies in parse);
 - bytes between ranks (tensors and pickled objects rank 0 sent or received).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]
@@ -40,7 +41,9 @@ after generation with `stages.score`),
 `--r3` (rollout routing replay): every reply item also carries `meta_info.routed_experts` as SGLang sends
 it (base64 of int32 [prompt + response - 1, layers, top-k], random ids below EXPERTS), the client asks for
 and decodes it (rollout/sglang/routing.py) in its reply threads, and the rows keep it through dynamic
-sampling (`routing_rows_kept`: the kept rows that still hold it on rank 0; `--constant-share` makes a share of
+sampling (`routing_rows_held`: the rows whose routing rank 0 still held when generation ended, the groups
+dynamic sampling drops and those past the ones the step takes being released as they are scored;
+`routing_rows_kept`: the trained rows that hold it; `--constant-share` makes a share of
 the groups constant, as dynamic sampling sees in a run, so that they are dropped). At the Qwen3-30B-A3B layout
 (48 8 128) that is 2,048 bytes of JSON a token: run it at a smaller --mean-len on this machine.
 
@@ -283,6 +286,7 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
     prompts = rows // N
     tokenizer = load_tokenizer(os.path.join(out, "tokenizer"))
     client_cpu = [0.0]
+    held_routing = [0]  # rank 0: rows of the engine's returned batch that still hold R3 routing
     held, held_lock = [0, 0], threading.Lock()
     replies: list[float] = []
     engine = None
@@ -359,6 +363,7 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
                 def marked(*a, **k):
                     batch = call(*a, **k)
                     marks["engine_batch"] = time.time()
+                    held_routing[0] = sum(r is not None for r in batch.routed_experts or [])
                     return batch
                 return marked
             engine.generate_batch = marking(engine.generate_batch)
@@ -368,8 +373,12 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
         # the reward stage after generation reuses those scores. The old path (every rank scores its rows
         # after generation) stays for comparison: BENCH_SCORE_AFTER=1.
         after = os.environ.get("BENCH_SCORE_AFTER") == "1" or not hasattr(StopWhenFull, "scoring_only")
-        # As the trainer with dynamic sampling on: a constant group's R3 routing goes when it is scored.
-        drops = {"drops_constant": True} if "drops_constant" in inspect.signature(StopWhenFull).parameters else {}
+        # As the trainer with dynamic sampling on: a constant group's R3 routing goes when it is scored, and
+        # an informative one's once the groups the step takes before it are known (where the code does so).
+        params = inspect.signature(StopWhenFull).parameters
+        drops = {"drops_constant": True} if "drops_constant" in params else {}
+        if "keep" in params:
+            drops.update(keep=buffer.needed, positions={stages.group_id(r, "1.0"): i for i, r in enumerate(records)})
         stop = None if after else StopWhenFull.scoring_only(metric="acc", score_groups=stages.group_scorer(
             records, group_suffix="1.0", n=N, tokenizer=tokenizer, reward_manager=rm), **drops)
         rollout = stages.generate(driver, records, sampling, group_suffix="1.0", pad_id=0, max_response_length=max_len,
@@ -402,7 +411,8 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
               "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0],
               "score_beside_s": beside, "scored_after": stop is None, "last_reply": max(replies) if replies else None,
               "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train),
-              "routing_rows_kept": sum(r is not None for r in batch.rollout.routed_experts or [])}
+              "routing_rows_kept": sum(r is not None for r in batch.rollout.routed_experts or []),
+              "routing_rows_held": held_routing[0]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier(group=group)
@@ -455,7 +465,9 @@ def _run(rows: int, args) -> dict:
 
     planned0, planned = data_path(rows=rows, n=N, train_rows=ranks[0]["train_rows"],
                                   response_tokens=args.mean_len, max_response_length=args.max_len,
-                                  max_prompt_length=PROMPT_LEN, world=WORLD, text_bytes_per_token=1.0, step_tensors=0)
+                                  max_prompt_length=PROMPT_LEN, world=WORLD, text_bytes_per_token=1.0, step_tensors=0,
+                                  routing_ids_per_token=args.r3[0] * args.r3[1] if args.r3 else 0,
+                                  routing_id_bytes=1 if not args.r3 or args.r3[2] <= 256 else 2)
     last = ranks[0]["last_reply"]
     phases, prev = {}, last
     for name in PHASES:  # each phase ends when the last rank is through it
@@ -475,6 +487,7 @@ def _run(rows: int, args) -> dict:
             "planned_rank0_gib": round(sum(planned0.values()) / 2**30, 3),
             "planned_other_gib": round(sum(planned.values()) / 2**30, 3),
             "replies_held_max": ranks[0]["replies_held_max"], "routing_rows_kept": ranks[0]["routing_rows_kept"],
+            "routing_rows_held": ranks[0]["routing_rows_held"],
             "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
 
 
@@ -545,7 +558,8 @@ def main() -> None:
               f"{f['phases_s']}; client CPU in the trainer {f['gil_s_in_trainer']} s; peak rank 0 "
               f"{f['rank0_peak_gib']} GiB, others {f['other_rank_peak_gib']} GiB (planned {f['planned_rank0_gib']}, "
               f"{f['planned_other_gib']}; replies held at once {f['replies_held_max']}); wire rank 0 "
-              f"{f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
+              f"{f['wire_bytes_rank0'] / 2**20:.0f} MiB" + (f"; rows with R3 routing when generation ended "
+              f"{f['routing_rows_held']}, trained {f['routing_rows_kept']}" if args.r3 else ""), flush=True)
     a, b = figures
     full = {k: extrapolate(a, b, k) for k in ("serial_s_after_last_reply", "gil_s_in_trainer", "rank0_peak_gib",
                                                "other_rank_peak_gib", "score_local_s")}

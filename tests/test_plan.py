@@ -418,7 +418,7 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
 
 
 def test_host_data_path_terms_by_hand():
-    from megatron_dapo.plan.host import REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
+    from megatron_dapo.plan.host import R3_REPLY_BYTES_PER_ID, REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
 
     rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
@@ -426,6 +426,13 @@ def test_host_data_path_terms_by_hand():
     assert rank0 == {"generation batch": 64 * 100 * 8 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
                      "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 8 * 2, "training batch": dense}
     assert other == {"its rows": 16 * 100 * (8 + 2), "kept rows": 32 * 100 * 8, "training batch": dense}
+    # R3 at 6 layers x top-2 (12 ids a token) of 300 experts (int16): rows of 10 + 100 - 1 routed tokens
+    r3, r3_other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
+                             max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1,
+                             routing_ids_per_token=12, routing_id_bytes=2)
+    assert r3 == {**rank0, "r3 routing": 64 * 109 * 12 * 2,
+                  "r3 replies in parse": REPLIES_HELD * 16 * 109 * 12 * R3_REPLY_BYTES_PER_ID}
+    assert r3_other == other
 
 
 def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_naming_the_key():

@@ -13,7 +13,12 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
   is taken from them (another copy): twice train rows x L x 8 B;
-- r3 routing when actor.router_replay = r3 (memory.py's figure).
+- r3 routing when actor.router_replay = r3 (memory.py's figure: every row at the longest sequence). The
+  data-path terms at a stated length (`data_path(routing_ids_per_token=...)`, bench_rank0.py --r3): the
+  routing of every row of the generation batch (uint8 / int16 ids [L, P + R - 1, K]; a group that dynamic
+  sampling drops releases it when scored, so this is the bound with no group dropped), and the replies in
+  parse carrying it: R3_REPLY_BYTES_PER_ID per id (the JSON's base64, its parsed str, the int32 ids and
+  their narrowed copy).
 every rank:
 - its rows: R / world x L x 8 B and their texts (rank 0 holds every row already);
 - the kept rows as they arrive (int32 ids + float32 log-probs; the ids stay so in the training batch);
@@ -41,6 +46,9 @@ REPLIES_HELD = 8
 requests in flight; the recipe has ~1,000 in flight, so twice that is allowed."""
 REPLY_BYTES_PER_TOKEN = 150
 """A reply in parse: ~47 B of JSON, the parsed [logprob, id, null] list and its float, the float64 column."""
+R3_REPLY_BYTES_PER_ID = 16
+"""A reply in parse with R3 routing, per expert id: base64 of the int32 in the JSON body (16/3 B) and again
+as the parsed str, the decoded int32 (4 B) and the narrowed uint8 copy (1 B)."""
 
 
 @dataclass(frozen=True)
@@ -70,14 +78,22 @@ class HostPlan:
 
 def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_response_length: int,
               max_prompt_length: int, world: int, text_bytes_per_token: float = 4.0,
-              step_tensors: int = 6) -> tuple[dict[str, int], dict[str, int]]:
-    """(rank 0's terms, another rank's terms) of one step's data path, bytes (module docstring)."""
+              step_tensors: int = 6, routing_ids_per_token: int = 0,
+              routing_id_bytes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """(rank 0's terms, another rank's terms) of one step's data path, bytes (module docstring).
+
+    routing_ids_per_token: R3's expert ids per routed token (num_hidden_layers x top-k; 0: R3 off), each of
+    `routing_id_bytes`; a row has max_prompt_length + response_tokens - 1 routed tokens."""
     L, T, P = response_tokens, max_response_length, max_prompt_length
     tokens, kept = rows * L, train_rows * L
     own = math.ceil(rows / world) * L
     dense = train_rows * T * 8 + train_rows * P * 4 + step_tensors * train_rows * T * 4
     rank0 = {"generation batch": tokens * 8 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
              "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 8 * 2, "training batch": dense}
+    if routing_ids_per_token:
+        routed = P + L - 1
+        rank0["r3 routing"] = rows * routed * routing_ids_per_token * routing_id_bytes
+        rank0["r3 replies in parse"] = REPLIES_HELD * n * routed * routing_ids_per_token * R3_REPLY_BYTES_PER_ID
     other = {"its rows": own * (8 + int(text_bytes_per_token)), "kept rows": kept * 8,
              "training batch": dense}
     return rank0, other

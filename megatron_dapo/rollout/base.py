@@ -31,6 +31,7 @@ of the prompts, so every engine draws the same per-sample seeds for the same inp
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import math
 import operator
@@ -248,8 +249,9 @@ GroupsDone = Callable[[list[list["Sample"]]], bool]
 BatchGroupsDone = Callable[["RolloutBatch"], bool]
 """on_groups_done(batch) -> stop: the groups that just completed as one ragged RolloutBatch (n rows per
 group, prompt-major, every row present). A callback that knows a row will not be trained (its group is
-dropped by dynamic sampling) may set `batch.routed_experts[i] = None`: an engine that keeps routing (R3)
-then frees its own copy of that row's, so the batch it returns holds None there."""
+dropped by dynamic sampling) may set `batch.routed_experts[i] = None`, in its call or later in the same
+generation batch: an engine that keeps routing (R3) holds no copy of a reported row's (RoutingOwners), so
+the routing is freed and the batch the engine returns holds None there."""
 
 
 class RolloutEngine(abc.ABC):
@@ -431,6 +433,41 @@ def rows_to_ragged(prompts: Sequence[PromptInput], n: int, rows: Sequence[BatchR
                         finish_reason=[r.finish_reason for r in rows], policy_version=[r.policy_version for r in rows],
                         meta=[r.meta for r in rows], routed_experts=[r.routed_experts for r in rows], pad_id=pad_id,
                         max_response_length=max_response_length, arena=arena)
+
+
+class RoutingOwners:
+    """R3 in a streaming generation (`generate_batch_streaming`): once a group is reported to the callback
+    (BatchGroupsDone), the reported batch's `routed_experts` list is the one owner of its rows' routing. A
+    callback that releases a row there (sets it None), in its call or at any later point of the generation
+    batch, frees it; the batch the engine returns reads what the owners still hold."""
+
+    def __init__(self):
+        self._at: dict[tuple[int, int], tuple[list, int]] = {}  # (id of a group's row list, row) -> (list, index)
+
+    def take(self, groups: Sequence[list[BatchRow]], batch: RolloutBatch) -> None:
+        """`batch` was made of the rows of `groups`, in order: its list becomes their routing's owner."""
+        if batch.routed_experts is None:
+            return
+        k = 0
+        for g in groups:
+            for j, row in enumerate(g):
+                if row.routed_experts is not None:
+                    self._at[(id(g), j)] = (batch.routed_experts, k)
+                    g[j] = row._replace(routed_experts=None)
+                k += 1
+
+    def returned(self, groups: Sequence[list[BatchRow]], batch: RolloutBatch) -> RolloutBatch:
+        """`batch` (made of the rows of `groups`, in order) with the routing their owners still hold."""
+        if not self._at:
+            return batch
+        routed, k = list(batch.routed_experts or [None] * len(batch)), 0
+        for g in groups:
+            for j in range(len(g)):
+                at = self._at.get((id(g), j))
+                if at is not None:
+                    routed[k] = at[0][at[1]]
+                k += 1
+        return dataclasses.replace(batch, routed_experts=routed if any(r is not None for r in routed) else None)
 
 
 def placed_row(row: BatchRow, arena: RowArena) -> BatchRow:

@@ -26,6 +26,7 @@ batch favours short answers: docs/dapo-step.md, "Streaming dynamic sampling").
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -194,13 +195,21 @@ class StopWhenFull:
     same, with fewer reward calls (the first ones of a generation batch cannot stop it).
 
     drops_constant: dynamic sampling will drop the groups whose metric is constant (filter_groups.enable).
-    Their R3 routing is then released as they are scored (`BatchGroupsDone`: the engine frees its copy), so
-    rank 0 holds the routing of the informative groups only, not of the whole generation batch."""
+    Their R3 routing is then released as they are scored (`BatchGroupsDone`: the engine keeps no copy), so
+    rank 0 holds the routing of the informative groups only, not of the whole generation batch. keep and
+    positions (with drops_constant): the step takes the first `keep` informative groups of this generation
+    batch in `positions` order (group id -> its place in the batch: GroupBuffer.take's order); a later one
+    is surplus, and its routing is released as soon as `keep` informative groups before it are scored, so
+    rank 0 holds about the routing one step trains, however many groups the batch has."""
 
     def __init__(self, *, need: int | None, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch],
-                 drops_constant: bool = False):
+                 drops_constant: bool = False, keep: int | None = None, positions: dict[str, int] | None = None):
+        if keep is not None and positions is None:
+            raise ValueError("StopWhenFull: keep needs the groups' positions")
         self.need, self.metric, self.score_groups = need, metric, score_groups
-        self.drops_constant = drops_constant
+        self.drops_constant, self.keep, self.positions = drops_constant, keep, positions
+        self._informative_at: list[int] = []  # positions of the informative groups scored so far, sorted
+        self._held: dict[int, list[tuple[list, int]]] = {}  # position -> its rows' places in the routing lists
         self.informative = 0
         self.pending: list[RolloutBatch] = []
         self.scored: dict[str, tuple[ScoredBatch, int]] = {}
@@ -209,15 +218,14 @@ class StopWhenFull:
 
     @classmethod
     def scoring_only(cls, *, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch],
-                     drops_constant: bool = False) -> StopWhenFull:
-        return cls(need=None, metric=metric, score_groups=score_groups, drops_constant=drops_constant)
+                     drops_constant: bool = False, keep: int | None = None,
+                     positions: dict[str, int] | None = None) -> StopWhenFull:
+        return cls(need=None, metric=metric, score_groups=score_groups, drops_constant=drops_constant, keep=keep,
+                    positions=positions)
 
     def __call__(self, done: RolloutBatch) -> bool:
         if self.need is None:
-            try:
-                self._score(done, [done])
-            except Exception:  # noqa: BLE001 - scored again after generation, where it raises on every rank
-                pass
+            self._score(done, [done])
             return False
         self.pending.append(done)
         if self.informative + sum(len(set(b.index)) for b in self.pending) < self.need:
@@ -228,7 +236,12 @@ class StopWhenFull:
 
     def _score(self, batch: RolloutBatch, parts: list[RolloutBatch]) -> None:
         """Score `batch` (the concatenation of the callback's `parts`, or the one part)."""
-        scored = self.score_groups(batch)
+        try:
+            scored = self.score_groups(batch)
+        except Exception:  # noqa: BLE001 - scoring-only: scored again after generation, raising on every rank
+            if self.need is not None:
+                raise
+            return
         # Kept until the reward stage reads its values: not the tokens, which the generation batch holds too.
         scored = dataclasses.replace(scored, rollout=without_tokens(scored.rollout))
         first_row: dict[str, int] = {}
@@ -245,6 +258,19 @@ class StopWhenFull:
                     for i, gid in enumerate(part.index):
                         if gid not in informative:
                             part.routed_experts[i] = None
+                        elif self.keep is not None:
+                            self._held.setdefault(self.positions[gid], []).append((part.routed_experts, i))
+            if self.keep is not None:
+                self._release_surplus([self.positions[gid] for gid in informative])
+
+    def _release_surplus(self, scored: list[int]) -> None:
+        """Release the routing of every informative group with `keep` informative groups before it (positions
+        only move back as groups are added, so a surplus group stays surplus)."""
+        for pos in scored:
+            bisect.insort(self._informative_at, pos)
+        for pos in self._informative_at[self.keep:]:
+            for routing, i in self._held.pop(pos, ()):
+                routing[i] = None
 
 
 def finished_groups(rollout: RolloutBatch, n: int) -> tuple[list[int], list[int]]:

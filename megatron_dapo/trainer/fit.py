@@ -273,10 +273,13 @@ class DAPOTrainer:
         scorer = stages.group_scorer(records, group_suffix=group_suffix, n=cfg.rollout.n, tokenizer=p.tokenizer,
                                      reward_manager=p.reward_manager)
         fg = cfg.algorithm.filter_groups
+        # R3: routing of dropped groups and of those past the ones the step takes is released when scored
+        drops = dict(drops_constant=fg.enable, keep=self.buffer.needed if fg.enable else None,
+                     positions={stages.group_id(r, group_suffix): i for i, r in enumerate(records)})
         if fg.streaming:
-            return StopWhenFull(need=self.buffer.needed, metric=fg.metric, score_groups=scorer, drops_constant=fg.enable)
+            return StopWhenFull(need=self.buffer.needed, metric=fg.metric, score_groups=scorer, **drops)
         if cfg.rollout.engine == "sglang":
-            return StopWhenFull.scoring_only(metric=fg.metric, score_groups=scorer, drops_constant=fg.enable)
+            return StopWhenFull.scoring_only(metric=fg.metric, score_groups=scorer, **drops)
         return None
 
     def _keep_finished(self, rollout, records, drawn: list[int]):

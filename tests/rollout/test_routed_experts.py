@@ -271,26 +271,35 @@ def test_engine_returns_the_routing_of_prompt_and_response_on_every_sample(moe_d
 
 def test_routing_a_streaming_callback_releases_is_freed_in_the_batch_the_engine_returns(moe_dir, tmp_path):
     """BatchGroupsDone: the callback sets the routing of the rows it will not train to None (a group dynamic
-    sampling drops); the engine lets its own copy go, so the returned batch holds None for exactly those rows
-    and the others' routing intact."""
+    sampling drops), in its call or in a later one (a group found surplus once others are scored); the engine
+    keeps no copy of a reported row's, so the returned batch holds None for exactly those rows and the
+    others' routing intact."""
     layout = RoutingLayout(num_layers=2, top_k=2, num_experts=4)
     prompts = [PromptInput("a", (5, 7, 3, 9, 4)), PromptInput("b", (8, 8, 1)), PromptInput("c", (2, 6))]
-    seen = {}
+    seen, parts = {}, []
 
-    def release_b(batch):
+    def release_b(batch):  # b at once; the first reported group other than b when the last group comes
+        parts.append(batch)
         for i, gid in enumerate(batch.index):
             seen[(gid, i % 2)] = batch.routed_experts[i].clone()
             if gid == "b":
                 batch.routed_experts[i] = None
+        if len({g for p in parts for g in p.index}) == 3:
+            first = next(p for p in parts if p.index[0] != "b")
+            late.append(first.index[0])
+            for i in range(len(first)):
+                first.routed_experts[i] = None
         return False
+
+    late = []
 
     with StandinServer(model_path=moe_dir, args=[ROUTED_EXPERTS_FLAG], log_dir=tmp_path) as srv:
         with SGLangEngine([srv.url], return_routed_experts=layout) as engine:
             batch = engine.generate_batch_streaming(prompts, SamplingParams(max_new_tokens=4, n=2), pad_id=0,
                                                     max_response_length=4, on_groups_done=release_b)
-    assert batch.index == ["a", "a", "b", "b", "c", "c"]
+    assert batch.index == ["a", "a", "b", "b", "c", "c"] and len(late) == 1 and late[0] in "ac"
     for i, gid in enumerate(batch.index):
-        if gid == "b":
+        if gid in ("b", late[0]):
             assert batch.routed_experts[i] is None
         else:
             assert torch.equal(batch.routed_experts[i], seen[(gid, i % 2)])

@@ -137,6 +137,34 @@ def test_the_routing_of_groups_dynamic_sampling_drops_is_released_as_they_are_sc
         assert torch.equal(reported[1].routed_experts[0], torch.full((2, 3, 1), ord("b"), dtype=torch.uint8))
 
 
+def test_the_routing_of_informative_groups_past_the_ones_the_step_takes_is_released_once_they_are_known():
+    """R3, keep: the step takes the first `keep` informative groups in batch order (GroupBuffer.take); a later
+    informative group's routing goes as soon as `keep` informative groups before it are scored, whatever
+    order the groups complete in, and never sooner."""
+    acc = {"a": [1, 0], "b": [0, 0], "c": [0, 1], "d": [1, 0], "e": [0, 1]}  # b constant, the others informative
+    positions = {g: i for i, g in enumerate("abcde")}
+
+    def score_groups(batch):
+        return ragged_scored({gid: acc[gid] for gid in dict.fromkeys(batch.index)})
+
+    def group(gid):
+        rollout = to_ragged(scored({gid: [0, 0]}).rollout, pad_id=0)
+        return dataclasses.replace(rollout, routed_experts=[torch.full((1, 2, 1), ord(gid), dtype=torch.uint8)] * 2)
+
+    stop = StopWhenFull.scoring_only(metric="acc", score_groups=score_groups, drops_constant=True, keep=2,
+                                     positions=positions)
+    reported, held = {}, []
+    for gid in "debac":  # completion order
+        reported[gid] = group(gid)
+        stop(reported[gid])
+        held.append("".join(g for g, b in sorted(reported.items()) if b.routed_experts[0] is not None))
+    # d, e: two known, none before them; b constant; a: e has a, d before it; c: d has a, c before it
+    assert held == ["d", "de", "de", "ad", "ac"]
+    assert all(r is None for r in reported["e"].routed_experts)
+    with pytest.raises(ValueError, match="keep needs the groups' positions"):
+        StopWhenFull(need=None, metric="acc", score_groups=score_groups, drops_constant=True, keep=2)
+
+
 def test_a_group_with_any_aborted_sample_is_cut():
     rollout = scored({"a": [1, 0], "b": [1, 0], "c": [0, 1]}, aborted=frozenset({("b", 1)})).rollout
     assert finished_groups(rollout, 2) == ([0, 2], [1])

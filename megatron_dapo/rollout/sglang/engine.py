@@ -68,6 +68,7 @@ from megatron_dapo.rollout.base import (
     RolloutBatch,
     RolloutEngine,
     RolloutEngineError,
+    RoutingOwners,
     Sample,
     SamplingParams,
     check_generate_inputs,
@@ -342,20 +343,16 @@ class SGLangEngine(ServerControl, RolloutEngine):
             return rows_to_ragged([p for p, _ in pairs], sampling.n, [r for _, g in pairs for r in g], pad_id=pad_id,
                                   max_response_length=max_response_length, arena=arena)
 
+        owners = RoutingOwners()  # R3: a reported row's routing lives in the reported batch alone
+
         def report(done: list[tuple[PromptInput, list[BatchRow]]]) -> bool:
             batch = batch_of(done)
-            try:
-                return on_groups_done(batch)
-            finally:  # routing the callback released (BatchGroupsDone): the rows here let it go too
-                if batch.routed_experts is not None:
-                    rows = [(g, j) for _, g in done for j in range(len(g))]
-                    for (g, j), kept in zip(rows, batch.routed_experts, strict=True):
-                        if kept is None and g[j].routed_experts is not None:
-                            g[j] = g[j]._replace(routed_experts=None)
+            owners.take([g for _, g in done], batch)
+            return on_groups_done(batch)
 
         arena = RowArena(len(prompts) * sampling.n, max_response_length)
         groups = self._stream(prompts, sampling, lambda *a: placed_row(self._row(*a), arena), report)
-        return batch_of(list(zip(prompts, groups, strict=True)), arena)
+        return owners.returned(groups, batch_of(list(zip(prompts, groups, strict=True)), arena))
 
     def _stream(self, prompts: Sequence[PromptInput], sampling: SamplingParams, make: Callable,
                 report: Callable[[list[tuple[PromptInput, list]]], bool]) -> list[list]:
