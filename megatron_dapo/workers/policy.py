@@ -250,13 +250,19 @@ class PolicyModel:
         """This rank's routers per chunk and their MoE-layer indices, found once (a module walk)."""
         return routing.RankRouters(self.chunks)
 
-    def provide_routing(self, responses: Tensor, rows: dict[int, Tensor]) -> None:
+    def routing_layers(self) -> list[int]:
+        """R3: the MoE layers (indices among the model's MoE layers, ascending) this rank's chunks route."""
+        return sorted(self._rank_routers.moe_index)
+
+    def provide_routing(self, responses: Tensor, rows: dict[int, Tensor], *, layers: list[int] | None = None) -> None:
         """R3: the rollout engine's routing of the batch `responses`, row -> [L_total, S, K] (every MoE layer
-        of the model; the first S positions of the row, prompt then response: SGLang sends every position
-        but the last) or None (no routing: the row routes freely); the rows this rank computes at least.
-        This rank keeps its layers' part; compute_log_prob and the update replay it."""
+        of the model, or the MoE layers `layers`, which hold this rank's; the first S positions of the row,
+        prompt then response: SGLang sends every position but the last) or None (no routing: the row routes
+        freely); the rows this rank computes at least. This rank keeps its layers' part; compute_log_prob and
+        the update replay it."""
+        local = self._rank_routers.local_part
         self._routing = {"key": responses, "provided": True,
-                         "rows": {r: None if t is None else self._rank_routers.local_part(t, where=f"row {r}")
+                         "rows": {r: None if t is None else local(t, where=f"row {r}", layers=layers)
                                   for r, t in rows.items()}}
 
     def replay(self, responses: Tensor, *, training: bool = True) -> routing.RoutingReplay:

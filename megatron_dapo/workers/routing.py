@@ -126,15 +126,22 @@ class RankRouters:
         pattern = moe_layer_pattern(config)
         self.moe_index = [sum(pattern[:r.layer_number - 1]) for r in self.flat]
 
-    def local_part(self, full: Tensor, *, where: str) -> Tensor:
-        """[L_total, n, K] routing of every MoE layer of the model -> [L_local, n, K], this rank's layers."""
-        if full.dim() != 3 or full.shape[0] != self.total or full.shape[2] != self.top_k:
+    def local_part(self, full: Tensor, *, where: str, layers: list[int] | None = None) -> Tensor:
+        """[L_total, n, K] routing of every MoE layer of the model (or of the MoE layers `layers`, ascending,
+        as trainer/replay.py sends a rank the ones it needs) -> [L_local, n, K], this rank's layers."""
+        expected = self.total if layers is None else len(layers)
+        if full.dim() != 3 or full.shape[0] != expected or full.shape[2] != self.top_k:
             raise ValueError(f"actor.router_replay: {where}: routing of shape {tuple(full.shape)}, the model needs "
-                             f"[{self.total} MoE layers, tokens, top-k {self.top_k}]")
+                             f"[{expected} MoE layers, tokens, top-k {self.top_k}]")
         if full.numel() and int(full.max()) >= self.num_experts:
             raise ValueError(f"actor.router_replay: {where}: expert id {int(full.max())} >= the model's "
                              f"{self.num_experts} experts")
-        return full[self.moe_index].to(self.dtype)
+        if layers is None:
+            return full[self.moe_index].to(self.dtype)
+        missing = sorted(set(self.moe_index) - set(layers))
+        if missing:
+            raise ValueError(f"actor.router_replay: {where}: routing of MoE layers {layers}, this rank needs {missing}")
+        return full[[layers.index(m) for m in self.moe_index]].to(self.dtype)
 
     def chunk_slice(self, chunk: int) -> slice:
         return slice(self._starts[chunk], self._starts[chunk + 1])

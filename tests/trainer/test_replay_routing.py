@@ -1,8 +1,10 @@
 """trainer/replay.py: rank 0 sends each training row's routing (MoE layers only) to the ranks of the data-parallel
 rank that trains it, over gloo on 3 processes (DP 2: ranks 0 and 2 hold DP rank 0, rank 1 DP rank 1).
 
-Rows without routing (an aborted request) arrive as None; a dense layer of SGLang's per-layer routing is
-left out; a row whose routing has the wrong number of tokens is refused naming the row.
+Rank 0 sends DP rank 1's rows to its leader (rank 1) and forwards its own replica's rows to rank 2, which
+routes only the second MoE layer (as a pipeline stage would) and gets only that one. Rows without routing
+(an aborted request) arrive as None; a dense layer of SGLang's per-layer routing is left out; a row whose
+routing has the wrong number of tokens is refused naming the row.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megatron_dapo.rollout.base import RolloutBatch
 WORLD, B, L_HF, K = 3, 6, 3, 2
 MOE_FREQ = [1, 0, 1]  # SGLang sends a row per decoder layer: layer 1 is dense (zeros)
 DP_OF = [0, 1, 0]
+LAYERS_OF = [[0, 1], [0, 1], [1]]  # the MoE layers each rank routes (rank 2: a later pipeline stage's)
 
 
 def _batch(with_routing: bool, *, bad_row: int | None = None) -> RolloutBatch:
@@ -41,8 +44,8 @@ def _batch(with_routing: bool, *, bad_row: int | None = None) -> RolloutBatch:
 class _Policy:
     """What provide_rollout_routing asks of a PolicyModel: the DP dealing and the model's router layout."""
 
-    def __init__(self, dp_rank: int):
-        self.dp_rank = dp_rank
+    def __init__(self, dp_rank: int, layers: list[int]):
+        self.dp_rank, self.layers = dp_rank, layers
         config = types.SimpleNamespace(num_layers=L_HF, moe_layer_freq=MOE_FREQ, num_moe_experts=8, moe_router_topk=K)
         self.chunks = [types.SimpleNamespace(config=config)]
         self.given = None
@@ -54,8 +57,11 @@ class _Policy:
         every = [[0, 2, 5], [1, 3, 4]]
         return every, [every[self.dp_rank]]
 
-    def provide_routing(self, responses, rows):
-        self.given = (responses, rows)
+    def routing_layers(self):
+        return self.layers
+
+    def provide_routing(self, responses, rows, *, layers=None):
+        self.given = (responses, rows, layers)
 
 
 def _worker(rank: int, init_file: str, out: str, bad_row, world: int) -> None:
@@ -64,10 +70,11 @@ def _worker(rank: int, init_file: str, out: str, bad_row, world: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     batch = _batch(rank == 0, bad_row=bad_row)
     pgs = types.SimpleNamespace(ctrl=dist.group.WORLD, dp_rank=DP_OF[rank])
-    policies = [_Policy(DP_OF[rank]), _Policy(DP_OF[rank])]
+    policies = [_Policy(DP_OF[rank], LAYERS_OF[rank]), _Policy(DP_OF[rank], LAYERS_OF[rank])]
     try:
         metrics = provide_rollout_routing(batch, policies, pgs=pgs)
-        result = {"metrics": metrics, "rows": policies[1].given[1], "same_key": policies[0].given[0] is batch.responses}
+        result = {"metrics": metrics, "rows": policies[1].given[1], "layers": policies[1].given[2],
+                  "same_key": policies[0].given[0] is batch.responses}
     except ValueError as e:
         result = {"error": str(e)}
     torch.save(result, f"{out}.{rank}")
@@ -83,11 +90,13 @@ def test_each_rank_gets_the_moe_layers_of_the_rows_its_dp_rank_trains(tmp_path):
         assert got["same_key"] and got["metrics"] == {"router_replay/rows_with_routing": 5 / 6}
         rows = [[0, 2, 5], [1, 3, 4]][DP_OF[rank]]
         assert sorted(got["rows"]) == rows
+        # ranks 0 and 1 lead their replicas: every MoE layer (decoder layers 0 and 2); rank 2 MoE layer 1 alone
+        assert got["layers"] == (None if rank < 2 else [1])
         for row in rows:
             if full[row] is None:
                 assert got["rows"][row] is None
-            else:  # layers 0 and 2 (the MoE ones), every routed position
-                assert torch.equal(got["rows"][row], full[row][[0, 2]]), (rank, row)
+            else:  # every routed position
+                assert torch.equal(got["rows"][row], full[row][[0, 2] if rank < 2 else [2]]), (rank, row)
 
 
 @pytest.mark.multiproc
