@@ -102,8 +102,11 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
     """DAPOTrainer's stages over the TransferQueue (module docstring). Reuses its validation, logging,
     rollout dumps and checkpoints; `fit()` runs `step()` until trainer.total_training_steps."""
 
-    def __init__(self, cfg: Config, parts: TrainerParts):
+    def __init__(self, cfg: Config, parts: TrainerParts, *, prestarted=None):
+        """prestarted: rank 0's producer process, spawned before the model was built
+        (server_producers.prestart; async mode on SGLang), or None."""
         super().__init__(cfg, parts)
+        self._prestarted = prestarted
         qc, P = cfg.queue, cfg.queue.parameter_sync_step
         # What runs: config/root.py refuses the rest at load (the local engine at one process, SGLang
         # servers disaggregated in async mode, checkpoints on weight syncs).
@@ -341,6 +344,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         return {**out, "timing_s/weight_sync_paused": time.perf_counter() - t0}
 
     def close(self) -> None:
+        if self._prestarted is not None:
+            self._prestarted.close()
+            self._prestarted = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -386,7 +392,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         if not self.sync_mode and self.on_servers:
             self.producers = ProducerProcess(self.queue, self.driven, sampling=self.sampling, num=num,
                                              claim_size=claim_size, global_steps=lambda: self.global_step,
-                                             cfg=self.cfg)
+                                             cfg=self.cfg, prestarted=self._prestarted)
+            self._prestarted = None
             self.producers.start()
         elif not self.sync_mode:
             self.weights.publish(c, model_weights(unwrap_model(self.p.actor.policy.chunks[0])))

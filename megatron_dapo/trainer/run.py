@@ -157,11 +157,7 @@ def _check_fresh_start(cfg: Config) -> None:
 def build_trainer(cfg: Config):
     """Parts, the supervised warm-up, the reference (when a KL term is used), then the trainer:
     the queue trainer when `queue.enable`, else the sync `DAPOTrainer`."""
-    from megatron_dapo.data.arithmetic import arithmetic_sft_examples
-    from megatron_dapo.trainer.fit import DAPOTrainer
     from megatron_dapo.trainer.rundir import lock_run_directory
-    from megatron_dapo.trainer.sft import sft_warmup
-    from megatron_dapo.workers.build import build_reference
 
     if int(os.environ.get("RANK", "0")) == 0:  # before anything is written: a second job on the directory refuses
         lock_run_directory(cfg.run_dir)
@@ -172,6 +168,26 @@ def build_trainer(cfg: Config):
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
+    prestarted = None
+    if cfg.queue.enable and cfg.queue.max_staleness != 0 and cfg.rollout.engine == "sglang" \
+            and int(os.environ.get("RANK", "0")) == 0:  # its start overlaps the model's build
+        from megatron_dapo.trainer.server_producers import prestart
+
+        prestarted = prestart(cfg)
+    try:
+        return _build_trainer(cfg, prestarted)
+    except BaseException:
+        if prestarted is not None:
+            prestarted.close()
+        raise
+
+
+def _build_trainer(cfg: Config, prestarted):
+    from megatron_dapo.data.arithmetic import arithmetic_sft_examples
+    from megatron_dapo.trainer.fit import DAPOTrainer
+    from megatron_dapo.trainer.sft import sft_warmup
+    from megatron_dapo.workers.build import build_reference
+
     parts = build_parts(cfg)
     if cfg.trainer.sft_warmup_steps and cfg.data.task == "arithmetic":
         m = sft_warmup(parts.actor, arithmetic_sft_examples(parts.train_data, parts.tokenizer), cfg,
@@ -185,7 +201,9 @@ def build_trainer(cfg: Config):
     if cfg.queue.enable:
         from megatron_dapo.trainer.queue_trainer import QueueTrainer
 
-        return QueueTrainer(cfg, parts)
+        return QueueTrainer(cfg, parts, prestarted=prestarted)
+    if prestarted is not None:
+        prestarted.close()
     return DAPOTrainer(cfg, parts)
 
 

@@ -171,12 +171,15 @@ class ProducerProcess:
 
     def __init__(self, queue: TransferQueue, engine, *, sampling: SamplingParams, num: int, claim_size: int,
                  global_steps: Callable[[], int], cfg=None, poll_s: float = 0.02, max_restarts: int = 3,
-                 close_timeout_s: float = 60.0):
+                 close_timeout_s: float = 60.0, prestarted: Prestarted | None = None):
+        """prestarted: a process `prestart` spawned early (its reward stage built while the trainer built
+        its model); the first start uses it, a restart spawns afresh."""
         import multiprocessing as mp
 
         from megatron_dapo.rollout.sglang.follower import follower_spec
 
         self._ctx = mp.get_context("spawn")
+        self._prestarted = prestarted
         self.queue, self.engine, self.global_steps = queue, engine, global_steps
         self.spec = ProcessSpec(str(queue.path), follower_spec(engine), sampling, num, claim_size, poll_s, cfg,
                                 os.getpid())
@@ -199,11 +202,18 @@ class ProducerProcess:
         atexit.register(self.close)  # before multiprocessing joins its children at exit (atexit runs LIFO)
 
     def _spawn(self) -> None:
-        conn, child = self._ctx.Pipe()
-        self.process = self._ctx.Process(target=producer_process_main, args=(self.spec, child),
-                                         name="sglang-producers")
-        self.process.start()
-        child.close()
+        pre, self._prestarted = self._prestarted, None
+        if pre is not None and pre.process.is_alive():
+            self.process, conn = pre.process, pre.conn
+            conn.send(("spec", self.spec))
+        else:
+            if pre is not None:
+                pre.close()
+            conn, child = self._ctx.Pipe()
+            self.process = self._ctx.Process(target=producer_process_main, args=(self.spec, child),
+                                             name="sglang-producers")
+            self.process.start()
+            child.close()
         with self._send_lock:
             self._conn, self._last_states = conn, None
         reader = threading.Thread(target=self._read, args=(conn,), name="producer-reports", daemon=True)
@@ -218,6 +228,9 @@ class ProducerProcess:
         (reissued by the next start's recovery)."""
         atexit.unregister(self.close)
         self._stop.set()
+        if self._prestarted is not None:
+            self._prestarted.close()
+            self._prestarted = None
         if self.process is None:
             return
         self._send(("close",))
@@ -318,8 +331,52 @@ class ProducerProcess:
                 self.engine.pool.note_reissue(*args)
 
 
-def producer_process_main(spec: ProcessSpec, conn) -> None:
-    """Body of the producer process (ProducerProcess): the threads, a follower engine, the reward stage."""
+@dataclass
+class Prestarted:
+    """A producer process spawned before the trainer's model is built (`prestart`): it imports what it
+    runs and builds its reward stage meanwhile, then waits for its ProcessSpec (ProducerProcess's first
+    start). Spawning a process and loading torch, the tokenizer and the reward manager takes seconds that
+    would otherwise come after the model build, at every start of the run."""
+
+    process: object
+    conn: object
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """A prestarted process never given its spec (the run failed or ended first): stop it."""
+        try:
+            self.conn.send(("close",))
+        except (BrokenPipeError, ConnectionError, OSError):
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def prestart(cfg) -> Prestarted:
+    """Spawn the producer process early (global rank 0, async mode on SGLang): see Prestarted."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=producer_process_main, args=(None, child, cfg), name="sglang-producers")
+    process.start()
+    child.close()
+    return Prestarted(process, conn)
+
+
+def _claim_scorer(cfg, stack: contextlib.ExitStack) -> ClaimScorer | None:
+    if cfg is None:
+        return None
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.rewards.build import build_reward_manager
+
+    return ClaimScorer(load_tokenizer(cfg.data.tokenizer), stack.enter_context(build_reward_manager(cfg)))
+
+
+def producer_process_main(spec: ProcessSpec | None, conn, cfg=None) -> None:
+    """Body of the producer process (ProducerProcess): the threads, a follower engine, the reward stage.
+    spec None (`prestart`): the reward stage is built from `cfg`, then the spec awaited on `conn`."""
     as_own_world()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sglang-producers %(levelname)s %(message)s")
     from megatron_dapo.rollout.sglang.follower import follower_engine
@@ -334,15 +391,17 @@ def producer_process_main(spec: ProcessSpec, conn) -> None:
                 pass
 
     with contextlib.ExitStack() as stack:
+        scorer = _claim_scorer(cfg if spec is None else spec.cfg, stack)
+        if spec is None:  # prestarted: the trainer sends the spec once its engine is connected
+            try:
+                kind, *args = conn.recv()
+            except (EOFError, OSError):  # the trainer is gone
+                return
+            if kind != "spec":  # closed before its start
+                return
+            spec = args[0]
         engine = follower_engine(spec.engine, leader=lambda *report: send(report))
         stack.callback(engine.close)
-        scorer = None
-        if spec.cfg is not None:
-            from megatron_dapo.data.tokenizer import load_tokenizer
-            from megatron_dapo.rewards.build import build_reward_manager
-
-            scorer = ClaimScorer(load_tokenizer(spec.cfg.data.tokenizer),
-                                 stack.enter_context(build_reward_manager(spec.cfg)))
         producers = ServerProducers(spec.queue_path, engine, sampling=spec.sampling, num=spec.num,
                                     claim_size=spec.claim_size, scorer=scorer, poll_s=spec.poll_s,
                                     on_error=lambda i, e: send(("error", i, f"{type(e).__name__}: {e}")))

@@ -7,7 +7,8 @@ against two SGLang stand-ins (their own processes, SGLang 0.5.23's protocol) and
 - a SIGKILLed process is restarted by check(), its running claims reissued first, each prompt written once;
 - a server lost under one of the process's requests is taken down in rank 0's pool (which owns restarts),
   with the requests re-sent to the survivor;
-- a failed producer thread reaches check() by name, and close() stops the process.
+- a failed producer thread reaches check() by name, and close() stops the process;
+- a process prestarted before the engine existed runs once given its spec; one never given it stops at close.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron_dapo.queue import TransferQueue
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.trainer.queue_trainer import TRAIN
-from megatron_dapo.trainer.server_producers import ProducerError, ProducerProcess
+from megatron_dapo.trainer.server_producers import ProducerError, ProducerProcess, prestart
 from tests.standin import StandinServer
 from tests.trainer.test_server_producers import _put_prompts, _status
 from tests.trainer.test_server_producers import _wait_until as wait_until
@@ -63,23 +64,29 @@ def _wait_until(pred, timeout_s=WAIT_S):  # the process takes seconds to start: 
     return wait_until(pred, timeout_s)
 
 
-def _process(queue, engine, *, num=2, claim_size=2, step=1):
+def _process(queue, engine, *, num=2, claim_size=2, step=1, prestarted=None):
     return ProducerProcess(queue, engine, sampling=SAMPLING, num=num, claim_size=claim_size,
-                           global_steps=lambda: step, poll_s=0.01)
+                           global_steps=lambda: step, poll_s=0.01, prestarted=prestarted)
 
 
-def test_the_process_writes_every_claim_as_rank_0s_engine_would_generate_it_and_rank_0_sends_none(servers, queue):
+@pytest.mark.parametrize("early", [False, True], ids=["spawned-at-start", "prestarted"])
+def test_the_process_writes_every_claim_as_rank_0s_engine_would_generate_it_and_rank_0_sends_none(
+        servers, queue, early):
+    """prestarted: the process spawned before the engine existed (as build_trainer does, beside the model's
+    build) is the one that runs once given its spec."""
     a, b = servers
     keys = [f"k{i}@1.0" for i in range(6)]
     _put(queue, keys)
+    pre = prestart(None) if early else None
     with SGLangEngine([a.url, b.url]) as engine:
-        producers = _process(queue, engine)
+        producers = _process(queue, engine, prestarted=pre)
         producers.start()
         try:
             assert _wait_until(lambda: _status(queue, keys) == ["done"] * 6)
             producers.check()
             # rank 0's engine started no request thread: every /generate came from the producer process
             assert engine._pool._threads == set() and producers.process.pid != os.getpid()
+            assert pre is None or producers.process is pre.process
         finally:
             producers.close()
         assert producers.process is None
@@ -199,5 +206,28 @@ def test_a_failed_producer_thread_reaches_check_by_name(servers, queue):
             with pytest.raises(ProducerError, match=r"^rollout producer thread 0 failed: EngineRequestError: .*HTTP 4"):
                 producers.check()
             assert _status(queue, ["e@1.0"]) == ["running"]  # never written: reissued by the next start
+        finally:
+            producers.close()
+
+
+def test_a_prestarted_process_never_given_its_spec_stops_at_close_and_one_that_died_is_replaced(servers, queue):
+    """The run failed or ended before the producers started: close() stops the waiting process. A prestarted
+    process that died before its start (e.g. its reward stage failed to build) is not reused: the start
+    spawns a fresh one, which runs."""
+    pre = prestart(None)
+    pre.close()
+    assert pre.process.exitcode == 0
+    dead = prestart(None)
+    dead.process.kill()
+    dead.process.join()
+    keys = [f"d{i}@1.0" for i in range(2)]
+    _put(queue, keys)
+    with SGLangEngine([s.url for s in servers]) as engine:
+        producers = _process(queue, engine, prestarted=dead)
+        producers.start()
+        try:
+            assert producers.process is not dead.process
+            assert _wait_until(lambda: _status(queue, keys) == ["done"] * 2)
+            producers.check()
         finally:
             producers.close()
