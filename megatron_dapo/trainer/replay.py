@@ -11,16 +11,18 @@ control group, in two hops, so that rank 0 sends each row once:
    the same rows, the MoE layers that rank routes. The leaders forward at once, beside each other and beside
    rank 0's later sends; a replica's ranks mostly share a node.
 
-Each message is a header (S per row, -1 for a row without routing, e.g. an aborted request) then one flat
-tensor. Each rank hands its rows to its policies (actor, reference), which keep their own layers' part.
+Each message is a header (S per row, -1 for a row without routing, e.g. an aborted request) then each row
+as its sender holds it (no copy of a uint8 row with every layer), received into one buffer per rank. Each
+rank hands its rows to its policies (actor, reference), which keep their own layers' part.
 
 Bytes rank 0 sends per step: the kept rows' routing once (before: once per rank of each replica, TP x CP x
 PP times). At the MoE recipe's TP 2 and a 6.2k mean, 8,192 rows x ~7.2k routed tokens x 48 layers x top-8
 x 1 B: 22.7 GB instead of 45.3 GB.
 
-Host memory: rank 0 holds the whole training batch's routing (it received it from the engine, and sends
-views of it: no copy of the batch's routing when every decoder layer is a MoE layer); a leader its
-replica's rows, every MoE layer; every other rank its replica's rows, its layers.
+Host memory: rank 0 holds the whole training batch's routing (it received it from the engine) and sends the
+rows themselves: no copy when every decoder layer is a MoE layer and ids fit uint8; a leader its replica's
+rows, every MoE layer, in one buffer; every other rank its replica's rows, its layers.
+`benchmarks/bench_replay_routing.py` measures it.
 """
 
 from __future__ import annotations
@@ -36,16 +38,17 @@ def _wire_dtype(num_experts: int) -> torch.dtype:
 def _send_rows(routing: dict[int, torch.Tensor | None], rows: list[int], dst: int, *, layers: list[int] | None,
                dtype: torch.dtype, group) -> None:
     """Send `rows` of `routing` ([L_moe, S, K] each, or None) to ctrl rank `dst`: the MoE layers `layers`
-    (positions along the first dim; None: all)."""
+    (positions along the first dim; None: all). A header, then each row as it is held: no copy of the rows
+    (a uint8 row with every layer is sent as is)."""
     header = torch.tensor([-1 if routing[row] is None else routing[row].shape[1] for row in rows], dtype=torch.int64)
     index = None if layers is None else torch.tensor(layers, dtype=torch.long)
-    flat = [(r if index is None else r.index_select(0, index)).reshape(-1).to(dtype)
-            for r in (routing[row] for row in rows) if r is not None]
     g = dist.get_global_rank(group, dst)
     if header.numel():
         dist.send(header, dst=g, group=group)
-    if sum(t.numel() for t in flat):
-        dist.send(torch.cat(flat), dst=g, group=group)
+    for r in (routing[row] for row in rows):
+        if r is not None and r.numel():
+            dist.send((r if index is None else r.index_select(0, index)).contiguous().view(-1).to(dtype),
+                      dst=g, group=group)
 
 
 def _recv_rows(rows: list[int], src: int, *, num_layers: int, top_k: int, dtype: torch.dtype,
@@ -57,14 +60,14 @@ def _recv_rows(rows: list[int], src: int, *, num_layers: int, top_k: int, dtype:
         dist.recv(header, src=g, group=group)
     sizes = [int(s) for s in header.tolist()]
     flat = torch.empty(sum(s for s in sizes if s > 0) * num_layers * top_k, dtype=dtype)
-    if flat.numel():
-        dist.recv(flat, src=g, group=group)
     out, offset = {}, 0
     for row, s in zip(rows, sizes, strict=True):
         if s < 0:
             out[row] = None
             continue
         n = s * num_layers * top_k
+        if n:
+            dist.recv(flat[offset:offset + n], src=g, group=group)
         out[row] = flat[offset:offset + n].view(num_layers, s, top_k)
         offset += n
     return out
@@ -119,7 +122,8 @@ def provide_rollout_routing(rollout, policies: list, *, pgs) -> dict[str, float]
         full = _recv_rows(rows, 0, num_layers=L, top_k=top_k, **wire)
     if me == peers[0]:  # the leader: its peers' layers of its rows, then its own rows
         for peer in peers[1:]:
-            _send_rows(full, rows, peer, layers=every[peer][1], **wire)
+            layers = every[peer][1]
+            _send_rows(full, rows, peer, layers=None if layers == list(range(L)) else layers, **wire)
         mine, layers = {row: full[row] for row in rows}, None
     else:
         mine, layers = _recv_rows(rows, peers[0], num_layers=len(needed), top_k=top_k, **wire), needed
