@@ -414,6 +414,8 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
                           arch=get_arch("qwen3-30b-a3b"))
     # rank 0 receives a generation batch's routing: 1536 x 16 rows x 22,528 tokens x 48 layers x 8
     assert r3.router_replay_rank0 == 1536 * 16 * 22_528 * 48 * 8 and plan.router_replay_rank0 == 0
+    # a replica's first rank receives its 128 rows with every MoE layer at the step (PP 1: all its layers too)
+    assert r3.router_replay_received == 128 * 22_528 * 48 * 8 and plan.router_replay_received == 0
     assert "host: r3 at rank 0      198.00" in format_plan(r3)
 
 

@@ -13,7 +13,8 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
   is taken from them (another copy): twice train rows x L x 8 B;
-- r3 routing when actor.router_replay = r3 (memory.py's figure: every row at the longest sequence). The
+- r3 routing when actor.router_replay = r3 (memory.py's figure: every row at the longest sequence; and on
+  the other ranks, the replica's rows with every MoE layer a replica's first rank receives at the step). The
   data-path terms at a stated length (`data_path(routing_ids_per_token=...)`, bench_rank0.py --r3): the
   routing of every row of the generation batch (uint8 / int16 ids [L, P + R - 1, K]; a group that dynamic
   sampling drops releases it when scored, so this is the bound with no group dropped), and the replies in
@@ -121,6 +122,8 @@ def plan_host(cfg, *, memory_plan=None, response_tokens: int | None = None,
             every["routing records"] = memory_plan.router_replay_host
         if memory_plan.router_replay_rank0:
             rank0["r3 routing"] = memory_plan.router_replay_rank0
+        if memory_plan.router_replay_received:  # a replica's first rank at the step (rank 0 sends views)
+            other["r3 rows received"] = memory_plan.router_replay_received
     every["process"] = PROCESS_BYTES
     return HostPlan(rows=rows, train_rows=train_rows, response_tokens=L, world=cfg.trainer.world_size,
                     ranks_per_node=cfg.trainer.n_gpus_per_node,

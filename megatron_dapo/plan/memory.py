@@ -215,8 +215,12 @@ class MemoryPlan:
     router_replay_layers: int = 0
     router_replay_rank0: int = 0
     """r3: host memory of rank 0, which receives every generated row's routing from the engine: a generation
-    batch's rows at the longest sequence x the MoE layers x top-k (the kept groups' stay until the step's
-    batch is taken)."""
+    batch's rows at the longest sequence x the MoE layers x top-k (the bound: a group dynamic sampling drops,
+    or one past those the step takes, releases its routing when rank 0 scores it)."""
+    router_replay_received: int = 0
+    """r3: at the step, the first rank of each data-parallel replica receives its replica's rows with every MoE
+    layer (to forward each peer its layers, trainer/replay.py) and holds them while its records are made:
+    rows / DP at the longest sequence x the MoE layers x top-k."""
 
     @property
     def resident_train_state(self) -> int:
@@ -347,7 +351,9 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         * id_bytes if router_replay != "off" else 0,
         router_replay_layers=replay_layers if router_replay != "off" else 0,
         router_replay_rank0=sum(pattern) * rollout_sequences * max_seq_len * (arch.moe_router_topk or 0)
-        * id_bytes if router_replay == "r3" else 0)
+        * id_bytes if router_replay == "r3" else 0,
+        router_replay_received=sum(pattern) * math.ceil(logprob_rows / dp) * max_seq_len
+        * (arch.moe_router_topk or 0) * id_bytes if router_replay == "r3" else 0)
 
 
 def plan_from_config(cfg, *, arch: ModelArch | None = None, gpu_memory_gib: float = 80.0,
