@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -24,7 +25,12 @@ from megatron_dapo.rollout.sglang.payloads import (
     build_generate_payload,
     parse_generate_output,
 )
-from megatron_dapo.rollout.sglang.routing import RoutingLayout, decode_routed_experts, routed_tokens
+from megatron_dapo.rollout.sglang.routing import (
+    RoutingLayout,
+    cut_routed_experts,
+    decode_routed_experts,
+    routed_tokens,
+)
 from megatron_dapo.rollout.sglang.server import SGLangServerSpec, build_launch_command
 from megatron_dapo.rollout.sglang.versions import (
     ROUTED_EXPERTS_FLAG,
@@ -110,6 +116,46 @@ def test_a_payload_that_does_not_fit_the_model_names_the_request_and_field(value
             value, num_layers=L, top_k=K, num_experts=E, num_tokens=S, where="http://h/generate rid=r7"
         )
     assert str(e.value).startswith("http://h/generate rid=r7: meta_info.routed_experts")
+
+
+def test_routing_cut_from_the_reply_bytes_parses_to_what_the_whole_json_gives():
+    """The client cuts the routing strings out of the body before the JSON parse (sglang.routing); the rows
+    it gets are those the whole body parsed as JSON gives, text that spells the key is left alone, and a
+    value the cut cannot take as it is (escaped) is still decoded."""
+    layout, prompt = RoutingLayout(num_layers=L, top_k=K, num_experts=256), 6
+    ids = [known_ids(S, L, K, E) + k for k in range(3)]
+    ids[1][0, 0, 0] = 255  # base64 of 0xff starts "/w": the item whose "/" is written escaped, "\/"
+    items = [reply(encode(ids[0])), reply(None, finish="abort"), reply(encode(ids[1])), reply(encode(ids[2]))]
+    items[3]["text"] = 'he wrote "routed_experts":"QUJD" and "routed_experts":'
+    body = orjson.dumps(items)  # compact, as SGLang's ORJSONResponse writes it
+    escaped = encode(ids[1]).replace("/", "\\/")
+    body = body.replace(encode(ids[1]).encode(), escaped.encode())
+    assert b"\\/" in body and orjson.loads(body)[2]["meta_info"]["routed_experts"] == encode(ids[1])
+
+    stripped, cut = cut_routed_experts(body)
+    assert len(cut) == 3 and len(stripped) < len(body) - 3 * len(encode(ids[0]))
+    parsed = orjson.loads(stripped)
+    assert [item["meta_info"]["routed_experts"] for item in parsed] == [0, None, 1, 2]
+    assert parsed[3]["text"] == items[3]["text"]
+    kw = dict(request="rid=r", max_new_tokens=4, routing=layout, prompt_len=prompt)
+    got = [parse_generate_output(item, cut=cut, **kw).routed_experts for item in parsed]
+    want = [parse_generate_output(item, **kw).routed_experts for item in orjson.loads(body)]
+    assert got[1] is None and want[1] is None
+    for k, j in ((0, 0), (2, 1), (3, 2)):
+        assert torch.equal(got[k], want[k])
+        assert torch.equal(got[k], torch.from_numpy(ids[j]).permute(1, 0, 2).to(torch.uint8))
+    with pytest.raises(EngineReplyError, match="rid=r: meta_info.routed_experts must be a base64 str, got int"):
+        parse_generate_output(parsed[0], cut=cut, **kw)  # each cut value is taken once
+
+    assert cut_routed_experts(b'[{"a":1}]') == (b'[{"a":1}]', [])
+    backslash_last = b'[{"meta_info":{"routed_experts":"QUJD\\\\"}}]'  # the JSON string QUJD\, a backslash last
+    same, none = cut_routed_experts(backslash_last)
+    assert none == [] and orjson.loads(same)[0]["meta_info"]["routed_experts"] == "QUJD\\"
+    with pytest.raises(ValueError, match="rid=r: meta_info.routed_experts is not base64"):
+        decode_routed_experts("QUJD\\", num_layers=L, top_k=K, num_experts=E, num_tokens=S, where="rid=r")
+    not_base64 = cut_routed_experts(b'[{"routed_experts":"QU!D"}]')[1]
+    with pytest.raises(ValueError, match="rid=r: meta_info.routed_experts is not base64"):
+        decode_routed_experts(0, num_layers=L, top_k=K, num_experts=E, num_tokens=S, where="rid=r", cut=not_base64)
 
 
 def reply(routing, *, finish="stop", response=(4, 2)):

@@ -143,10 +143,11 @@ def parse_spec_meta(meta_info: dict[str, Any], *, request: str, fields: Sequence
 
 def parse_generate_output(
     item: Any, *, request: str, max_new_tokens: int, spec: Sequence[tuple[str, str]] = (),
-    routing: RoutingLayout | None = None, prompt_len: int = 0,
+    routing: RoutingLayout | None = None, prompt_len: int = 0, cut: list | None = None,
 ) -> ParsedOutput:
     """Validate one /generate result and pull out tokens, log-probs, finish reason and spec meta; with
-    `routing` (the model's layout) also the routed experts of the prompt (`prompt_len` tokens) and response."""
+    `routing` (the model's layout) also the routed experts of the prompt (`prompt_len` tokens) and response
+    (`cut`: the routing strings cut from the reply's bytes, sglang.routing.cut_routed_experts)."""
     if not isinstance(item, dict):
         raise EngineReplyError(f"{request}: result must be a JSON object, got {type(item).__name__}")
     meta = item.get("meta_info")
@@ -187,7 +188,7 @@ def parse_generate_output(
         raise EngineReplyError(f"{request}: meta_info.weight_versions starts at version {first}, newer than "
                                f"meta_info.weight_version {version}")
     routed = None if routing is None else parse_routing(meta, request=request, layout=routing, finish=finish,
-                                                        num_tokens=routed_tokens(prompt_len, len(tokens)))
+                                                        num_tokens=routed_tokens(prompt_len, len(tokens)), cut=cut)
     return ParsedOutput(tokens, logps, finish, parse_spec_meta(meta, request=request, fields=spec),
                         weight_version=version, routed_experts=routed,
                         first_weight_version=first if version is not None and first != version else None)
@@ -248,8 +249,10 @@ def first_span_version(spans: Any, *, request: str) -> int | None:
     return int(v) if isinstance(v, str) and v.isdigit() else None
 
 
-def parse_routing(meta_info: dict[str, Any], *, request: str, layout: RoutingLayout, finish: str, num_tokens: int):
-    """The routed experts of one result ([L, num_tokens, K], sglang.routing); None for an abort without them."""
+def parse_routing(meta_info: dict[str, Any], *, request: str, layout: RoutingLayout, finish: str, num_tokens: int,
+                  cut: list | None = None):
+    """The routed experts of one result ([L, num_tokens, K], sglang.routing); None for an abort without them.
+    cut: the routing strings cut from the reply's bytes (sglang.routing.cut_routed_experts)."""
     value = meta_info.get(META_KEY)
     if value is None:
         if finish == "abort":
@@ -258,7 +261,8 @@ def parse_routing(meta_info: dict[str, Any], *, request: str, layout: RoutingLay
                                f"the server runs without {ROUTED_EXPERTS_FLAG} (SGLang then captures nothing)")
     try:
         return decode_routed_experts(value, num_layers=layout.num_layers, top_k=layout.top_k,
-                                     num_experts=layout.num_experts, num_tokens=num_tokens, where=request)
+                                     num_experts=layout.num_experts, num_tokens=num_tokens, where=request,
+                                     cut=cut)
     except ValueError as e:
         raise EngineReplyError(str(e)) from e
 
