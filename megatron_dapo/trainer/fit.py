@@ -275,7 +275,8 @@ class DAPOTrainer:
         fg = cfg.algorithm.filter_groups
         # R3: routing of dropped groups and of those past the ones the step takes is released when scored
         drops = dict(drops_constant=fg.enable, keep=self.buffer.needed if fg.enable else None,
-                     positions={stages.group_id(r, group_suffix): i for i, r in enumerate(records)})
+                     positions={stages.group_id(r, group_suffix): i for i, r in enumerate(records)}
+                     if fg.enable else None)
         if fg.streaming:
             return StopWhenFull(need=self.buffer.needed, metric=fg.metric, score_groups=scorer, **drops)
         if cfg.rollout.engine == "sglang":
