@@ -412,11 +412,11 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
     assert off.router_replay_host == 0 and "host: routing" not in format_plan(off)
     r3 = plan_from_config(_cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3"),
                           arch=get_arch("qwen3-30b-a3b"))
-    # rank 0 receives a generation batch's routing: 1536 x 16 rows x 22,528 tokens x 48 layers x 8
-    assert r3.router_replay_rank0 == 1536 * 16 * 22_528 * 48 * 8 and plan.router_replay_rank0 == 0
+    # rank 0 keeps the routing of the rows one step trains: 512 x 16 rows x 22,528 tokens x 48 layers x 8
+    assert r3.router_replay_rank0 == 512 * 16 * 22_528 * 48 * 8 and plan.router_replay_rank0 == 0
     # a replica's first rank receives its 128 rows with every MoE layer at the step (PP 1: all its layers too)
     assert r3.router_replay_received == 128 * 22_528 * 48 * 8 and plan.router_replay_received == 0
-    assert "host: r3 at rank 0      198.00" in format_plan(r3)
+    assert "host: r3 at rank 0       66.00" in format_plan(r3)
 
 
 def test_host_data_path_terms_by_hand():
@@ -432,7 +432,7 @@ def test_host_data_path_terms_by_hand():
     r3, r3_other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1,
                              routing_ids_per_token=12, routing_id_bytes=2)
-    assert r3 == {**rank0, "r3 routing": 64 * 109 * 12 * 2,
+    assert r3 == {**rank0, "r3 routing": 32 * 109 * 12 * 2,  # the train rows only (StopWhenFull's release)
                   "r3 replies in parse": REPLIES_HELD * 16 * 109 * 12 * R3_REPLY_BYTES_PER_ID}
     assert r3_other == other
 
@@ -447,13 +447,13 @@ def test_host_plan_of_the_32b_recipe_and_a_node_too_small_for_r3_is_refused_nami
     assert host.rank0["generation batch"] == 24576 * 20480 * 16 and check_host(host) is None
     assert host.node0_total == host.rank0_total + 7 * host.other_total
     check_fits(plan, host=host)
-    moe = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3", "trainer.host_memory_gib_per_node=256")
+    moe = _cfg("configs/dapo_qwen3_30b_a3b.yaml", "actor.router_replay=r3", "trainer.host_memory_gib_per_node=128")
     moe_plan = plan_from_config(moe, gpu_memory_gib=80)
     small = plan_host(moe, memory_plan=moe_plan)
     assert small.rank0["r3 routing"] == moe_plan.router_replay_rank0
     with pytest.raises(ValueError, match=r"host memory of rank 0's node: \d+\.\d GiB > "
-                                         r"trainer.host_memory_gib_per_node=256 GiB \(rank 0 \d+\.\d GiB, largest: "
-                                         r"r3 routing 198\.0 GiB"):
+                                         r"trainer.host_memory_gib_per_node=128 GiB \(rank 0 \d+\.\d GiB, largest: "
+                                         r"r3 routing 66\.0 GiB"):
         check_fits(moe_plan, host=small)
     typical = plan_host(moe, memory_plan=moe_plan, response_tokens=6000)
     assert typical.rank0["generation batch"] == 24576 * 6000 * 16

@@ -13,13 +13,14 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
   is taken from them (another copy): twice train rows x L x 8 B;
-- r3 routing when actor.router_replay = r3 (memory.py's figure: every row at the longest sequence; and on
-  the other ranks, the replica's rows with every MoE layer a replica's first rank receives at the step). The
-  data-path terms at a stated length (`data_path(routing_ids_per_token=...)`, bench_rank0.py --r3): the
-  routing of every row of the generation batch (uint8 / int16 ids [L, P + R - 1, K]; a group that dynamic
-  sampling drops releases it when scored, so this is the bound with no group dropped), and the replies in
-  parse carrying it: R3_REPLY_BYTES_PER_ID per id (the JSON's base64, its parsed str, the int32 ids and
-  their narrowed copy).
+- r3 routing when actor.router_replay = r3 (memory.py's figure: the rows one step trains at the longest
+  sequence; and on the other ranks, the replica's rows with every MoE layer a replica's first rank receives
+  at the step). The data-path terms at a stated length (`data_path(routing_ids_per_token=...)`,
+  bench_rank0.py --r3): the routing of the train rows (uint8 / int16 ids [L, P + R - 1, K]; rank 0 scores
+  each group as it completes and releases the routing of a dropped group and of an informative one with
+  the step's groups before it, so at most the step's groups hold it: a bound, memory.py), and the replies
+  in parse carrying it: R3_REPLY_BYTES_PER_ID per id (the JSON body's base64, the int32 ids decoded from
+  it and their narrowed copy).
 every rank:
 - its rows: R / world x L x 8 B and their texts (rank 0 holds every row already);
 - the kept rows as they arrive (int32 ids + float32 log-probs; the ids stay so in the training batch);
@@ -47,9 +48,10 @@ REPLIES_HELD = 8
 requests in flight; the recipe has ~1,000 in flight, so twice that is allowed."""
 REPLY_BYTES_PER_TOKEN = 150
 """A reply in parse: ~47 B of JSON, the parsed [logprob, id, null] list and its float, the float64 column."""
-R3_REPLY_BYTES_PER_ID = 16
-"""A reply in parse with R3 routing, per expert id: base64 of the int32 in the JSON body (16/3 B) and again
-as the parsed str, the decoded int32 (4 B) and the narrowed uint8 copy (1 B)."""
+R3_REPLY_BYTES_PER_ID = 12
+"""A reply in parse with R3 routing, per expert id: base64 of the int32 in the JSON body (16/3 B), the int32
+decoded from it (4 B), and the narrowed uint8 copy and its layer-first copy (1 B each); the JSON parser never
+sees the base64 (sglang.routing.cut_routed_experts)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_r
              "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 8 * 2, "training batch": dense}
     if routing_ids_per_token:
         routed = P + L - 1
-        rank0["r3 routing"] = rows * routed * routing_ids_per_token * routing_id_bytes
+        rank0["r3 routing"] = train_rows * routed * routing_ids_per_token * routing_id_bytes
         rank0["r3 replies in parse"] = REPLIES_HELD * n * routed * routing_ids_per_token * R3_REPLY_BYTES_PER_ID
     other = {"its rows": own * (8 + int(text_bytes_per_token)), "kept rows": kept * 8,
              "training batch": dense}

@@ -214,9 +214,13 @@ class MemoryPlan:
     sequence x its stage's MoE layers x top-k, 1 B per id (2 above 256 experts); 0 when off."""
     router_replay_layers: int = 0
     router_replay_rank0: int = 0
-    """r3: host memory of rank 0, which receives every generated row's routing from the engine: a generation
-    batch's rows at the longest sequence x the MoE layers x top-k (the bound: a group dynamic sampling drops,
-    or one past those the step takes, releases its routing when rank 0 scores it)."""
+    """r3: host memory of rank 0, which receives every generated row's routing from the engine and keeps that
+    of the rows one step trains: train_batch_size x n rows at the longest sequence x the MoE layers x top-k.
+    A bound, not an estimate: rank 0 scores each group as it completes, a group dynamic sampling drops
+    releases its routing then, and an informative group with train_batch_size informative groups before it
+    in the batch's order (the step takes those) releases its own, so the groups holding routing are at most
+    the first train_batch_size informative ones (trainer.dynamic_sampling.StopWhenFull); without dynamic
+    sampling every generated row is trained."""
     router_replay_received: int = 0
     """r3: at the step, the first rank of each data-parallel replica receives its replica's rows with every MoE
     layer (to forward each peer its layers, trainer/replay.py) and holds them while its records are made:
@@ -350,7 +354,7 @@ def plan_memory(arch: ModelArch, *, world_size: int, tp: int = 1, pp: int = 1, c
         router_replay_host=replay_layers * math.ceil(logprob_rows / dp) * max_seq_len * (arch.moe_router_topk or 0)
         * id_bytes if router_replay != "off" else 0,
         router_replay_layers=replay_layers if router_replay != "off" else 0,
-        router_replay_rank0=sum(pattern) * rollout_sequences * max_seq_len * (arch.moe_router_topk or 0)
+        router_replay_rank0=sum(pattern) * logprob_rows * max_seq_len * (arch.moe_router_topk or 0)
         * id_bytes if router_replay == "r3" else 0,
         router_replay_received=sum(pattern) * math.ceil(logprob_rows / dp) * max_seq_len
         * (arch.moe_router_topk or 0) * id_bytes if router_replay == "r3" else 0)
@@ -489,8 +493,8 @@ def format_plan(plan: MemoryPlan) -> str:
                   f"tokens at most x {plan.router_replay_layers} MoE layers x top-k")]
     if plan.router_replay_rank0:
         rows += [("host: r3 at rank 0", plan.router_replay_rank0,
-                  f"every generated row's routing as SGLang sent it, at {plan.max_seq_len:,} tokens at most "
-                  "(kept until the step's batch is taken)")]
+                  f"the routing of the rows one step trains as SGLang sent it, at {plan.max_seq_len:,} tokens at "
+                  "most (the other groups' is released as rank 0 scores them)")]
     head = (f"memory plan: {plan.arch_name}, {plan.params_total / 1e9:.2f} B params; {plan.world_size} GPUs "
             f"= TP {plan.tp} x PP {plan.pp} x CP {plan.cp} x DP {plan.dp} (EP {plan.ep}, ETP {plan.etp}, "
             f"expert DP {plan.expert_dp})")
