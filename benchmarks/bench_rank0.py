@@ -29,10 +29,11 @@ after generation with `stages.score`),
   `BENCH_SCORE_AFTER=1` the one part that divides by the ranks: `serial_s_at_128_ranks` is the serial time
   with that part at the recipe's 128 ranks); `score_beside_generation_s`: rank 0's scoring during generation;
 - `gil_s_in_trainer`: CPU seconds the client's threads spent in rank 0's training process (request, reply
-  read, parse, row building; Python holds the GIL for nearly all of it);
+  read, parse, row building; Python holds the GIL for nearly all of it, except R3's routing decode, whose
+  bulk releases it: bench_reply_parse.py splits a reply's parse by phase);
 - peak resident memory above the start of the batch, per rank, beside the planner's figure for the same
   data path (`plan.host.data_path`: this size, the mean length, no step tensors, 1 text byte a token; with
-  --r3 its routing terms: every row's routing, no group dropped, and the replies in parse);
+  --r3 its routing terms: the routing of the rows the step trains, and the replies in parse);
 - bytes between ranks (tensors and pickled objects rank 0 sent or received).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_rank0.py [--rows 768 1536] [--mean-len 6000]

@@ -200,7 +200,9 @@ class StopWhenFull:
     positions (with drops_constant): the step takes the first `keep` informative groups of this generation
     batch in `positions` order (group id -> its place in the batch: GroupBuffer.take's order); a later one
     is surplus, and its routing is released as soon as `keep` informative groups before it are scored, so
-    rank 0 holds about the routing one step trains, however many groups the batch has."""
+    the scored groups holding routing are at most the first `keep` informative ones in batch order: rank 0
+    holds at most the routing one step trains, however many groups the batch has and whatever order they
+    complete in (the planner's bound, plan.host)."""
 
     def __init__(self, *, need: int | None, metric: str, score_groups: Callable[[RolloutBatch], ScoredBatch],
                  drops_constant: bool = False, keep: int | None = None, positions: dict[str, int] | None = None):
