@@ -8,6 +8,7 @@ import math
 import re
 import struct
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -233,6 +234,22 @@ def _wandb_history(run_dir):
     return out
 
 
+def _wandb_history_once_written(run_dir, keys, timeout_s: float = 60.0):
+    """The offline run's history once it holds every key of `keys`, or as it is after `timeout_s` (W&B's
+    service writes the run file; on a machine running two test workers it has once been read before the
+    history reached it). The service's own log is printed for a history still short, to say why."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        history = _wandb_history(run_dir)
+        if history.keys() >= keys or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not history.keys() >= keys:
+        for log in run_dir.glob("wandb/offline-run-*/logs/debug-internal.log"):
+            print(f"{log}:\n{log.read_text(errors='replace')[-6000:]}")
+    return history
+
+
 def test_wandb_offline_run_holds_every_step_value_and_the_config(wandb_offline):
     with MetricsLogger(None, backends=("wandb",), project="proj", experiment="exp", wandb_dir=str(wandb_offline),
                        config=CONFIG) as logger:
@@ -241,7 +258,7 @@ def test_wandb_offline_run_holds_every_step_value_and_the_config(wandb_offline):
         assert sink._run.settings.x_service_wait == WANDB_SERVICE_WAIT_S == 300
         for step, metrics in STEPS.items():
             logger.log(metrics, step=step)
-    history = _wandb_history(wandb_offline)
+    history = _wandb_history_once_written(wandb_offline, _expected().keys())
     assert history.keys() == _expected().keys()
     assert all(_same(history[k], v) for k, v in _expected().items()), history
     (run,) = [r.run for r in _wandb_records(wandb_offline) if r.WhichOneof("record_type") == "run"]
