@@ -37,14 +37,20 @@ train: install
 # The default suite: everything but the `slow` and `gpu` markers. It includes the tests against real
 # SGLang servers (tests/sglang_real), which run in their own venv. The 15 slowest tests are listed at the
 # end, so growth is seen when it happens. The two venvs build side by side (a fresh machine: 114 s instead
-# of 162 s one after the other).
+# of 162 s one after the other). TEST_WORKERS pytest-xdist workers run the tests (2: on 2 cores the suite
+# takes 28 minutes instead of 36, many of its tests wait on servers and processes); tests/sglang_real runs
+# on one of them, so its two shared servers start once (tests/conftest.py). TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test:
 	@$(MAKE) --no-print-directory -j2 install sglang-env
-	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q \
+	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q $(XDIST) \
 		-m "not slow and not gpu" --durations=15 $(ARGS)
 
 test-all: install sglang-env
-	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q -m "not gpu" $(ARGS)
+	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q $(XDIST) \
+		-m "not gpu" $(ARGS)
 
 SGLANG_VENV ?= .venv-sglang
 SGLANG_ENV_FILES := $(wildcard tests/sglang_env/*.sh tests/sglang_env/*.txt tests/sglang_env/*.py \
