@@ -9,6 +9,7 @@ tests/sglang_env/megatron_dapo_host_alloc.py): tests/sglang_real/test_train.py t
 
 import base64
 import json
+import mmap
 import os
 import subprocess
 from pathlib import Path
@@ -146,6 +147,10 @@ def test_routing_cut_from_the_reply_bytes_parses_to_what_the_whole_json_gives():
         assert torch.equal(got[k], torch.from_numpy(ids[j]).permute(1, 0, 2).to(torch.uint8))
     with pytest.raises(EngineReplyError, match="rid=r: meta_info.routed_experts must be a base64 str, got int"):
         parse_generate_output(parsed[0], cut=cut, **kw)  # each cut value is taken once
+    mapped = mmap.mmap(-1, len(body))  # a large reply as the client reads it (sglang.client.post_read)
+    mapped[:] = body
+    from_map, map_cut = cut_routed_experts(mapped)
+    assert from_map == stripped and [bytes(v) for v in map_cut] == [bytes(v) for v in cut_routed_experts(body)[1]]
 
     assert cut_routed_experts(b'[{"a":1}]') == (b'[{"a":1}]', [])
     backslash_last = b'[{"meta_info":{"routed_experts":"QUJD\\\\"}}]'  # the JSON string QUJD\, a backslash last

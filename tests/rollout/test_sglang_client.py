@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import resource
 import subprocess
 import sys
 import textwrap
 
+import orjson
+import pytest
 import requests
 
 from megatron_dapo.rollout.sglang import client
@@ -83,7 +86,7 @@ def test_1536_requests_under_ulimit_n_1024_finish_with_no_server_marked_down(tmp
 
 
 class _Replies:
-    """A loopback HTTP/1.1 server answering each POST with `body`, or with a Content-Length above what it
+    """A loopback HTTP/1.1 server answering each POST with `body` (then `.body`), or with a Content-Length above what it
     then sends before it closes the connection (`cut`); records the client port of every request."""
 
     def __init__(self, body: bytes, *, cut: bool = False):
@@ -92,6 +95,7 @@ class _Replies:
 
         outer = self
         self.ports: list[int] = []
+        self.body = body  # what the next POST is answered with
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -100,9 +104,9 @@ class _Replies:
                 self.rfile.read(int(self.headers["Content-Length"]))
                 outer.ports.append(self.client_address[1])
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(body) + (100 if cut else 0)))
+                self.send_header("Content-Length", str(len(outer.body) + (100 if cut else 0)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(outer.body)
                 if cut:
                     self.close_connection = True
 
@@ -118,21 +122,28 @@ class _Replies:
         self.server.server_close()
 
 
-def test_a_reply_larger_than_a_read_chunk_arrives_whole_and_the_connection_is_reused():
+def test_a_reply_larger_than_a_read_chunk_arrives_whole_in_its_own_map_and_the_connection_is_reused():
+    assert client.MAPPED_BODY <= client.READ_CHUNK
     body = json.dumps([{"text": "x" * (client.READ_CHUNK + 12_345)}, {"i": 2}]).encode()
+    small = json.dumps([{"text": "x" * 1000}]).encode()
     srv = _Replies(body)
     try:
         session = client.shared_session(1, 4)
         for _ in range(3):
             status, got = client.post_read(session, srv.url, {"rid": ["a"]}, timeout=(5, 5))
-            assert status == 200 and got == body
+            assert status == 200 and isinstance(got, mmap.mmap) and len(got) == len(body) and got[:] == body
+            assert orjson.loads(client.json_bytes(got))[1] == {"i": 2}
+        srv.body = small
+        status, got = client.post_read(session, srv.url, {"rid": ["a"]}, timeout=(5, 5))
+        assert status == 200 and got == small and client.json_bytes(got) is got  # a small body stays bytes
         assert len(set(srv.ports)) == 1  # the connection went back to the pool after each body was read
     finally:
         srv.close()
 
 
-def test_a_connection_lost_mid_body_raises_what_the_engine_reads_as_a_lost_server():
-    srv = _Replies(b'{"text": "' + b"y" * 50_000, cut=True)
+@pytest.mark.parametrize("size", [50_000, client.MAPPED_BODY + 50_000], ids=["bytes", "mapped"])
+def test_a_connection_lost_mid_body_raises_what_the_engine_reads_as_a_lost_server(size):
+    srv = _Replies(b'{"text": "' + b"y" * size, cut=True)
     try:
         session = client.shared_session(1, 4)
         try:

@@ -16,13 +16,18 @@ servers down. So:
 - EMFILE / ENFILE (`is_client_resource_error`) and a refused thread start are the client's errors, named as
   such, never a server's;
 - a /generate reply is read in chunks of READ_CHUNK (`post_read`), not requests' 10 KiB: a reply of 16 rows
-  is 0.8 MB at 1,000 tokens and 23 MB with R3 routing at 700, read by rank 0's threads under the GIL.
+  is 0.8 MB at 1,000 tokens and 23 MB with R3 routing at 700, read by rank 0's threads under the GIL;
+- a reply of MAPPED_BODY bytes or more is read into its own anonymous memory map, which goes back to the
+  system when the reply is dropped. Joined into one bytes object, a body below glibc's 32 MiB mmap ceiling
+  comes from the reply thread's malloc arena, which keeps the freed memory: about 0.75 GiB of rank 0's
+  peak in bench_rank0.py --r3 (31 MB replies, threads spread over 16 arenas) that held no data.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import mmap
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -37,6 +42,8 @@ READ_CHUNK = 1 << 20
 """Bytes per read of a reply body. requests' own 10 KiB (`Response.content`) cost 30-35 ms of client CPU per
 23 MB reply (16 rows of 700 tokens with R3 routing at 48 layers x top-8), 1 MiB chunks 11-13 ms: measured
 with a local HTTP server and `time.process_time` on the 2-core CI machine."""
+MAPPED_BODY = 1 << 20
+"""A reply body of at least this many bytes (its Content-Length) is read into an anonymous memory map."""
 
 
 def raise_open_file_limit() -> tuple[int, int]:
@@ -80,15 +87,38 @@ def shared_session(num_servers: int, per_host: int) -> requests.Session:
     return s
 
 
-def post_read(session: requests.Session, url: str, payload, *, timeout) -> tuple[int, bytes]:
-    """POST `payload` as JSON and read the whole reply in READ_CHUNK reads: (status code, body). Raises what
-    `session.post` with the body read would (Timeout, ConnectionError, ChunkedEncodingError); the connection
-    returns to the pool once the body is read, and is closed when it was not."""
+def post_read(session: requests.Session, url: str, payload, *, timeout) -> tuple[int, bytes | mmap.mmap]:
+    """POST `payload` as JSON and read the whole reply in READ_CHUNK reads: (status code, body); a body of
+    MAPPED_BODY bytes or more (by its Content-Length, not compressed) is an mmap.mmap of exactly its bytes
+    (`json_bytes` gives the JSON parser a view of it). Raises what `session.post` with the body read would
+    (Timeout, ConnectionError, ChunkedEncodingError, also for a body shorter than its Content-Length); the
+    connection returns to the pool once the body is read, and is closed when it was not."""
     r = session.post(url, json=payload, stream=True, timeout=timeout)
     try:
+        size = r.headers.get("Content-Length", "")
+        if size.isdigit() and int(size) >= MAPPED_BODY and "Content-Encoding" not in r.headers:
+            return r.status_code, _read_mapped(r, int(size))
         return r.status_code, b"".join(r.iter_content(READ_CHUNK))
     finally:
         r.close()
+
+
+def _read_mapped(r: requests.Response, size: int) -> mmap.mmap:
+    """The body of `r` (stream=True) in an anonymous map of `size` bytes, each chunk copied in as it is read."""
+    body, got = mmap.mmap(-1, size), 0
+    for chunk in r.iter_content(READ_CHUNK):
+        if got + len(chunk) > size:
+            raise requests.exceptions.ChunkedEncodingError(f"{r.url}: a body longer than its Content-Length {size}")
+        body[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != size:
+        raise requests.exceptions.ChunkedEncodingError(f"{r.url}: the body ended after {got} of its {size} bytes")
+    return body
+
+
+def json_bytes(body: bytes | mmap.mmap) -> bytes | memoryview:
+    """What the JSON parser reads of a body from post_read (orjson takes bytes or a memoryview, not a map)."""
+    return body if isinstance(body, bytes) else memoryview(body)
 
 
 def body_text(body: bytes, limit: int) -> str:

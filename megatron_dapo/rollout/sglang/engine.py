@@ -579,7 +579,7 @@ class SGLangEngine(ServerControl, RolloutEngine):
             if self.routing is not None:  # 2 KB of base64 a token: decoded from the bytes, not parsed (sglang.routing)
                 body, cut = cut_routed_experts(body)
             try:  # orjson: 2.5x faster than json on a reply of 16 x 6k tokens (0.24 against 0.61 us a token)
-                return orjson.loads(body), url, rids, cut
+                return orjson.loads(client.json_bytes(body)), url, rids, cut
             except ValueError as e:
                 raise EngineReplyError(f"{url}/generate batch {batch_id}: reply is not JSON ({e})") from e
         if aborted.is_set():

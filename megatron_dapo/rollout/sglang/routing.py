@@ -31,6 +31,7 @@ Shape legend: L num_hidden_layers, S routed tokens = P + R - 1, K num_experts_pe
 from __future__ import annotations
 
 import binascii
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,7 @@ CUT_KEY = b'"' + META_KEY.encode() + b'":"'
 """The bytes that open a routed-experts string in a reply as SGLang writes it (orjson, compact)."""
 
 
-def cut_routed_experts(body: bytes) -> tuple[bytes, list[memoryview]]:
+def cut_routed_experts(body: bytes | mmap.mmap) -> tuple[bytes | mmap.mmap, list[memoryview]]:
     """(the reply without its routed-experts strings, the strings' bytes in body order) of a /generate
     reply body. Each cut string is replaced by its index in the list (a JSON int), which
     `decode_routed_experts` resolves given the list.
@@ -87,8 +88,9 @@ def cut_routed_experts(body: bytes) -> tuple[bytes, list[memoryview]]:
     A JSON string's own quotes are escaped (backslash-quote), so CUT_KEY matches only a key's opening,
     never text inside a value, and the next quote closes the value unless a backslash precedes it: such a
     value (escaped, not base64 as SGLang sends it) and any written with other spacing stay in the body for
-    the JSON parser. Nothing is cut from a body without the key. Cost: two memchr-speed finds per value and
-    one copy of the rest of the body (the values are views of `body`)."""
+    the JSON parser. Nothing is cut from a body without the key (returned as it is). Cost: two memchr-speed
+    finds per value and one copy of the rest of the body (the values are views of `body`, a bytes object
+    or the memory map sglang.client.post_read reads a large reply into)."""
     find = body.find
     at = find(CUT_KEY)
     if at < 0:
