@@ -155,3 +155,27 @@ def test_a_batch_many_times_longer_than_the_request_timeout_completes_without_a_
     assert [(s.finish_reason, len(s.response_token_ids)) for s in out] == [("length", n)] * (20 * cap)
     assert _log_since(server, mark).count("POST /generate") == 20, "requests of `cap` sequences, none sent twice"
     assert total_s > 2 * engine.request_timeout_s
+
+
+def test_a_reply_read_into_a_memory_map_gives_the_samples_the_same_reply_read_as_bytes_gives(
+        real_servers, monkeypatch):
+    """The client reads a reply of sglang.client.MAPPED_BODY bytes or more into an anonymous map (the real
+    server's replies carry a Content-Length); with the threshold at one byte every reply is mapped, and
+    greedy generation on the same server gives the samples a reply read as bytes gives."""
+    from megatron_dapo.rollout.sglang import client
+
+    server = real_servers.servers[1]
+    prompts = [_prompt(f"p{i}", 6 + i) for i in range(3)]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
+    with SGLangEngine([server.url]) as engine:
+        as_bytes = engine.generate(prompts, greedy)
+    mapped = []
+    read_mapped = client._read_mapped
+    monkeypatch.setattr(client, "MAPPED_BODY", 1)
+    monkeypatch.setattr(client, "_read_mapped", lambda r, size: mapped.append(size) or read_mapped(r, size))
+    with SGLangEngine([server.url]) as engine:
+        from_map = engine.generate(prompts, greedy)
+    assert len(mapped) >= 1 and len(from_map) == len(as_bytes) == 6
+    for a, b in zip(as_bytes, from_map, strict=True):
+        assert (a.prompt_id, a.sample_index, a.response_token_ids) == (b.prompt_id, b.sample_index, b.response_token_ids)
+        assert max(abs(x - y) for x, y in zip(a.rollout_log_probs, b.rollout_log_probs, strict=True)) < 1e-5
