@@ -23,22 +23,28 @@ if not _cuda_available():
 _GPU_DIR = pathlib.Path(__file__).parent / "gpu"
 
 
-_SGLANG_REAL_DIR = pathlib.Path(__file__).parent / "sglang_real"
+_SHARED_SERVERS = "real_servers"
+"""The fixture of tests/sglang_real that starts two real SGLang servers once per pytest process."""
 # Real Ray clusters on one machine share /tmp/ray (its latest session, the address a driver finds): their
 # tests run one at a time, on one pytest-xdist worker.
 _RAY_FILES = {pathlib.Path(__file__).parent / f for f in
               ("launch/test_ray_job.py", "rollout/test_ray_pool.py", "rollout/test_ray_sglang.py")}
 
 
+# tryfirst: pytest-xdist's worker reads the xdist_group markers in its own collection hook (it appends the
+# group to the test's id for --dist loadgroup), and that hook is registered after this conftest, so it runs
+# first unless this one is asked to run before it.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     import torch
 
     has_cuda = torch.cuda.is_available()
     for item in items:
         path = pathlib.Path(str(item.fspath))
-        if _SGLANG_REAL_DIR in path.parents:
-            # one worker runs them all under pytest-xdist's loadgroup: the session's two servers start once
-            item.add_marker(pytest.mark.xdist_group("sglang_real"))
+        if _SHARED_SERVERS in getattr(item, "fixturenames", ()):
+            # one worker runs every test of the session's two servers, so they start once; the tests that
+            # launch their own servers run on either worker beside them
+            item.add_marker(pytest.mark.xdist_group("sglang_shared_servers"))
         elif path in _RAY_FILES:
             item.add_marker(pytest.mark.xdist_group("ray"))
         if _GPU_DIR in path.parents:
