@@ -123,22 +123,49 @@ def _die_with_parent() -> None:
         pass
 
 
+_QUEUE_SERVER = """
+import ctypes, os, signal, sys
+from multiprocessing.managers import SyncManager
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the trainer died before the line above
+    sys.exit(1)
+server = SyncManager(address="\\0" + sys.argv[2], authkey=bytes.fromhex(sys.stdin.readline())).get_server()
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
 def _writer_queue_dies_with_us() -> None:
-    """Megatron's checkpoint writer reports through a multiprocessing Manager process it starts at the first
-    save and keeps for the run; a trainer killed with SIGKILL left it (and the resource tracker it holds
-    open) running forever. Start that Manager here instead, with PR_SET_PDEATHSIG, so it dies with us."""
+    """Megatron's checkpoint writer reports through a queue of a multiprocessing Manager it starts at the first
+    save and keeps for the run (`_get_write_results_queue`), a process started with "spawn": it re-imports
+    the trainer's main module (seconds of a core per rank, at every trainer start), and a
+    trainer killed with SIGKILL left it (and the resource tracker it holds open) running forever.
+    The Manager's server runs here instead in a bare interpreter that imports only `multiprocessing`, with
+    PR_SET_PDEATHSIG so it dies with us, on a socket in Linux's abstract namespace (no file left behind by a
+    kill), and this process connects to it with its own authkey (which the writer processes Megatron forks
+    inherit)."""
+    import multiprocessing
+    import secrets
+    import subprocess
+    import sys
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     if getattr(fa, "_results_queue", "absent") is not None:  # already made, or a release without it
         return
-    from multiprocessing.managers import SyncManager
-
-    from torch import multiprocessing as mp
-
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
+    authkey = bytes(multiprocessing.current_process().authkey)
+    name = f"megatron_dapo-checkpoint-queue-{os.getpid()}-{secrets.token_hex(8)}"
+    server = subprocess.Popen([sys.executable, "-I", "-c", _QUEUE_SERVER, str(os.getpid()), name],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server.stdin.write(authkey.hex() + "\n")
+    server.stdin.close()
+    if server.stdout.readline() != "listening\n":
+        raise RuntimeError(f"the checkpoint writer's queue server exited at start (exit code {server.wait()})")
+    manager = SyncManager(address="\0" + name, authkey=authkey)
+    manager.connect()
     fa._results_queue = manager.Queue()
-    fa._results_manager = manager  # keeps the Manager object (and so its process) alive with the queue
+    fa._results_manager = (manager, server)  # the connection and the server's process live with the queue
 
 
 def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool,
