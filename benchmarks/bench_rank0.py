@@ -300,8 +300,6 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
                 return run_batch(self, *a, **k)
             finally:
                 client_cpu[0] += time.thread_time() - t
-                with held_lock:
-                    held[0] -= 1
         SGLangEngine._run_batch = timed_run_batch
         from megatron_dapo.rollout.sglang.routing import RoutingLayout
 
@@ -310,14 +308,26 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
                               return_routed_experts=RoutingLayout(*routing) if routing is not None else None)
         post = engine._http.post
 
-        def timed_post(*a, **k):  # the reply's bytes are read when post returns (no streaming)
+        def timed_post(*a, **k):  # the reply's headers are in when post returns
             r = post(*a, **k)
             replies.append(time.time())
-            with held_lock:  # replies received and not yet made rows: what the planner's parse term holds
-                held[0] += 1
-                held[1] = max(held[1], held[0])
             return r
         engine._http.post = timed_post
+        slots = engine._reply_slots
+
+        class HeldSlots(type(slots)):  # replies read and not yet made rows: what the planner's parse term holds
+            def take(self):
+                super().take()
+                with held_lock:
+                    held[0] += 1
+                    held[1] = max(held[1], held[0])
+
+            def give(self):
+                if getattr(self._mine, "held", False):
+                    with held_lock:
+                        held[0] -= 1
+                super().give()
+        engine._reply_slots = HeldSlots(slots.n)
     try:  # what the trainer does once its parts are built (trainer/run.py)
         from megatron_dapo.trainer.run import freeze_startup_objects
     except ImportError:  # a trainer from before it

@@ -420,12 +420,22 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
 
 
 def test_host_data_path_terms_by_hand():
-    from megatron_dapo.plan.host import R3_REPLY_BYTES_PER_ID, REPLIES_HELD, REPLY_BYTES_PER_TOKEN, data_path
+    from megatron_dapo.plan.host import (
+        JSON_PARSE_BYTES_PER_TOKEN,
+        R3_REPLY_BYTES_PER_ID,
+        REPLIES_HELD,
+        REPLY_BYTES_PER_TOKEN,
+        data_path,
+    )
+    from megatron_dapo.rollout.sglang.client import REPLIES_AT_ONCE
+
+    assert REPLIES_HELD == REPLIES_AT_ONCE  # the planner counts the engine's bound on replies in parse
 
     rank0, other = data_path(rows=64, n=16, train_rows=32, response_tokens=100, max_response_length=200,
                              max_prompt_length=10, world=4, text_bytes_per_token=2, step_tensors=1)
     dense = 32 * 200 * 8 + 32 * 10 * 4 + 1 * 32 * 200 * 4  # log-probs + mask dense, prompt ids ragged int32
-    assert rank0 == {"generation batch": 64 * 100 * 8 * 2, "replies in parse": REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN,
+    assert rank0 == {"generation batch": 64 * 100 * 8 * 2, "replies in parse":
+                     REPLIES_HELD * 16 * 100 * REPLY_BYTES_PER_TOKEN + 16 * 100 * JSON_PARSE_BYTES_PER_TOKEN,
                      "texts": 64 * 100 * 2, "kept rows": 32 * 100 * 8 * 2, "training batch": dense}
     assert other == {"its rows": 16 * 100 * (8 + 2), "kept rows": 32 * 100 * 8, "training batch": dense}
     # R3 at 6 layers x top-2 (12 ids a token) of 300 experts (int16): rows of 10 + 100 - 1 routed tokens

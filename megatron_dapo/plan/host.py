@@ -8,8 +8,8 @@ rank 0, per generation batch of R rows of L tokens (R = gen_batch_size x n):
 - generation batch: R x L x 8 B (int32 ids, float32 log-probs: rollout.ragged.TOKEN_DTYPE) twice: the rows'
   tensors as each reply is parsed, and the batch's arena they are written into (`rollout.ragged.RowArena`;
   the parsed tensors are freed into the process's heap, which keeps them, so the resident peak counts both);
-- replies received and not yet rows: REPLIES_HELD replies of n rows, ~150 B a token (JSON bytes, the
-  parsed lists, the float64 column);
+- replies read and not yet rows: REPLIES_HELD replies of n rows (the engine's bound), 150 B a token (the
+  JSON body and the parsed lists), and the JSON parser's transient of the one reply it parses at a time;
 - texts: every row's decoded text gathered for the dumps (`text_bytes_per_token`, 4 for a BPE vocabulary);
 - kept rows: the groups dynamic sampling keeps wait ragged (a copy of their rows), and the step's batch
   is taken from them (another copy): twice train rows x L x 8 B;
@@ -43,15 +43,21 @@ from dataclasses import dataclass, field
 GIB = 2**30
 PROCESS_BYTES = 4 * GIB
 """Per training process, beyond its data: Python, torch, Megatron, CUDA's host state (an allowance)."""
-REPLIES_HELD = 8
-"""Replies received and not yet made rows at once on rank 0: bench_rank0.py saw at most 4 with 96 to 192
-requests in flight; the recipe has ~1,000 in flight, so twice that is allowed."""
+REPLIES_HELD = 4
+"""Replies read and not yet made rows at once on rank 0: the engine's bound (rollout/sglang/client.py,
+REPLIES_AT_ONCE; a reply waits for a slot before its body is read), whatever the requests in flight."""
 REPLY_BYTES_PER_TOKEN = 150
-"""A reply in parse: ~47 B of JSON, the parsed [logprob, id, null] list and its float, the float64 column."""
-R3_REPLY_BYTES_PER_ID = 12
-"""A reply in parse with R3 routing, per expert id: base64 of the int32 in the JSON body (16/3 B), the int32
-decoded from it (4 B), and the narrowed uint8 copy and its layer-first copy (1 B each); the JSON parser never
-sees the base64 (sglang.routing.cut_routed_experts)."""
+"""A reply held in parse: its JSON body (33 B a token) and what orjson returns for it (121 B: the
+[logprob, id, null] lists, their floats and ints), measured with tracemalloc on a 16-row reply in SGLang's
+wire format (bench_reply_parse.one_reply) at 700 and 6,000 tokens."""
+JSON_PARSE_BYTES_PER_TOKEN = 400
+"""orjson's transient while it parses a reply, above what it returns (its peak is 520 B a token, same
+measurement); the parse holds the GIL, so one reply of rank 0's is in it at a time."""
+R3_REPLY_BYTES_PER_ID = 6
+"""A reply held in parse with R3 routing, per expert id: the base64 of the int32 in its body (16/3 B, kept
+with the reply until its rows are made; the JSON parser never sees it, sglang.routing.cut_routed_experts),
+and a row's decode at a time (the int32, the narrowed copy and its layer-first copy: 6 B an id of one of
+the reply's n rows, under 1 B an id of the reply)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,8 @@ def data_path(*, rows: int, n: int, train_rows: int, response_tokens: int, max_r
     tokens, kept = rows * L, train_rows * L
     own = math.ceil(rows / world) * L
     dense = train_rows * T * 8 + train_rows * P * 4 + step_tensors * train_rows * T * 4
-    rank0 = {"generation batch": tokens * 8 * 2, "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN,
+    rank0 = {"generation batch": tokens * 8 * 2,
+             "replies in parse": REPLIES_HELD * n * L * REPLY_BYTES_PER_TOKEN + n * L * JSON_PARSE_BYTES_PER_TOKEN,
              "texts": int(tokens * text_bytes_per_token), "kept rows": kept * 8 * 2, "training batch": dense}
     if routing_ids_per_token:
         routed = P + L - 1

@@ -335,11 +335,13 @@ def test_routing_a_streaming_callback_releases_is_freed_in_the_batch_the_engine_
             seen[(gid, i % 2)] = batch.routed_experts[i].clone()
             if gid == "b":
                 batch.routed_experts[i] = None
-        if len({g for p in parts for g in p.index}) == 3:
-            first = next(p for p in parts if p.index[0] != "b")
-            late.append(first.index[0])
-            for i in range(len(first)):
-                first.routed_experts[i] = None
+        if len({g for p in parts for g in p.index}) == 3:  # replies that came together come in one call
+            first = next(g for p in parts for g in p.index if g != "b")
+            late.append(first)
+            for p in parts:
+                for i, gid in enumerate(p.index):
+                    if gid == first:
+                        p.routed_experts[i] = None
         return False
 
     late = []

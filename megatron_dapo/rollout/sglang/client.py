@@ -17,6 +17,9 @@ servers down. So:
   such, never a server's;
 - a /generate reply is read in chunks of READ_CHUNK (`post_read`), not requests' 10 KiB: a reply of 16 rows
   is 0.8 MB at 1,000 tokens and 23 MB with R3 routing at 700, read by rank 0's threads under the GIL;
+- at most REPLIES_AT_ONCE replies are read and being made rows at once (`ReplySlots`): a thread takes a
+  slot when its reply's headers arrive and reads the body only then, so a burst of finished requests
+  (the end of a batch, a stop that aborts the rest) holds that many bodies, not one per request in flight;
 - a reply of MAPPED_BODY bytes or more is read into its own anonymous memory map, which goes back to the
   system when the reply is dropped. Joined into one bytes object, a body below glibc's 32 MiB mmap ceiling
   comes from the reply thread's malloc arena, which keeps the freed memory: about 0.75 GiB of rank 0's
@@ -28,6 +31,8 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
+import threading
+from collections.abc import Callable
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -44,6 +49,33 @@ READ_CHUNK = 1 << 20
 with a local HTTP server and `time.process_time` on the 2-core CI machine."""
 MAPPED_BODY = 1 << 20
 """A reply body of at least this many bytes (its Content-Length) is read into an anonymous memory map."""
+REPLIES_AT_ONCE = 4
+"""Replies read and being made rows at once (`ReplySlots`): the bound of plan/host.py's "replies in parse".
+The JSON parse holds the GIL, so more at once would not parse faster; four let R3's routing decode (GIL
+released) and body reads overlap the parse of another reply."""
+
+
+class ReplySlots:
+    """At most `n` replies read and being made rows at once in this process. A thread takes a slot when its
+    reply's headers arrive (`post_read`'s on_headers), before the body is read, and gives it back once the
+    reply is rows or has failed; `give` does nothing for a thread that holds no slot, so every exit may call
+    it."""
+
+    def __init__(self, n: int = REPLIES_AT_ONCE):
+        if n < 1:
+            raise ValueError(f"ReplySlots(n={n}): expected at least one slot")
+        self.n = n
+        self._free = threading.BoundedSemaphore(n)
+        self._mine = threading.local()
+
+    def take(self) -> None:
+        self._free.acquire()
+        self._mine.held = True
+
+    def give(self) -> None:
+        if getattr(self._mine, "held", False):
+            self._mine.held = False
+            self._free.release()
 
 
 def raise_open_file_limit() -> tuple[int, int]:
@@ -87,14 +119,18 @@ def shared_session(num_servers: int, per_host: int) -> requests.Session:
     return s
 
 
-def post_read(session: requests.Session, url: str, payload, *, timeout) -> tuple[int, bytes | mmap.mmap]:
+def post_read(session: requests.Session, url: str, payload, *, timeout,
+              on_headers: Callable[[], None] | None = None) -> tuple[int, bytes | mmap.mmap]:
     """POST `payload` as JSON and read the whole reply in READ_CHUNK reads: (status code, body); a body of
     MAPPED_BODY bytes or more (by its Content-Length, not compressed) is an mmap.mmap of exactly its bytes
-    (`json_bytes` gives the JSON parser a view of it). Raises what `session.post` with the body read would
+    (`json_bytes` gives the JSON parser a view of it). on_headers is called once the reply's headers are in,
+    before its body is read (ReplySlots.take). Raises what `session.post` with the body read would
     (Timeout, ConnectionError, ChunkedEncodingError, also for a body shorter than its Content-Length); the
     connection returns to the pool once the body is read, and is closed when it was not."""
     r = session.post(url, json=payload, stream=True, timeout=timeout)
     try:
+        if on_headers is not None:
+            on_headers()
         size = r.headers.get("Content-Length", "")
         if size.isdigit() and int(size) >= MAPPED_BODY and "Content-Encoding" not in r.headers:
             return r.status_code, _read_mapped(r, int(size))

@@ -200,6 +200,7 @@ class SGLangEngine(ServerControl, RolloutEngine):
         self._abort_pool = ThreadPoolExecutor(max_workers=ABORT_THREADS, thread_name_prefix="sglang-abort")
         self._http = client.shared_session(len(self.urls), client.per_host(max_concurrency, len(self.urls),
                                                                           self.request_slots))
+        self._reply_slots = client.ReplySlots()  # replies read and being made rows at once
         self._sessions_lock = threading.Lock()
         self._weight_group = None
         self._weight_group_name: str | None = None
@@ -438,36 +439,30 @@ class SGLangEngine(ServerControl, RolloutEngine):
         version = self._policy_version
         rids = request_ids(batch_id, 0, len(batch))
         reply, url, cut = None, None, None
-        if not (aborted.is_set() or failed.is_set()):
-            payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured,
-                                             routed_experts=self.routing is not None)
-            reply, url, rids, cut = self._post_generate(payload, batch_id, aborted, failed, running)
-        if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
-            nothing = ParsedOutput(torch.zeros(0, dtype=TOKEN_DTYPE), torch.zeros(0, dtype=torch.float64), "abort", {})
-            return [make(p, j, nothing, version) for p, j in batch]
-        if not isinstance(reply, list) or len(reply) != len(batch):
-            got = f"a list of {len(reply)}" if isinstance(reply, list) else type(reply).__name__
-            raise EngineReplyError(
-                f"{url}/generate batch {batch_id}: expected a list of {len(batch)} results, got {got}"
-            )
-        limit = sampling.max_new_tokens
-        return [
-            make(
-                p,
-                j,
-                parse_generate_output(
-                    item,
-                    request=f"{url}/generate rid={rid} (prompt_id={p.prompt_id!r}, sample_index={j})",
-                    max_new_tokens=limit,
-                    spec=self._spec,
-                    routing=self.routing,
-                    prompt_len=len(p.token_ids),
-                    cut=cut,
-                ),
-                version,
-            )
-            for (p, j), rid, item in zip(batch, rids, reply, strict=True)
-        ]
+        try:
+            if not (aborted.is_set() or failed.is_set()):
+                payload = build_generate_payload(batch, sampling, rids, seeds=self.seeds_honoured,
+                                                 routed_experts=self.routing is not None)
+                reply, url, rids, cut = self._post_generate(payload, batch_id, aborted, failed, running)
+            if reply is None:  # aborted (or a sibling batch failed) before this one got an answer
+                nothing = ParsedOutput(torch.zeros(0, dtype=TOKEN_DTYPE), torch.zeros(0, dtype=torch.float64),
+                                       "abort", {})
+                return [make(p, j, nothing, version) for p, j in batch]
+            if not isinstance(reply, list) or len(reply) != len(batch):
+                got = f"a list of {len(reply)}" if isinstance(reply, list) else type(reply).__name__
+                raise EngineReplyError(
+                    f"{url}/generate batch {batch_id}: expected a list of {len(batch)} results, got {got}"
+                )
+            limit = sampling.max_new_tokens
+            return [
+                make(p, j, parse_generate_output(
+                    item, request=f"{url}/generate rid={rid} (prompt_id={p.prompt_id!r}, sample_index={j})",
+                    max_new_tokens=limit, spec=self._spec, routing=self.routing, prompt_len=len(p.token_ids),
+                    cut=cut), version)
+                for (p, j), rid, item in zip(batch, rids, reply, strict=True)
+            ]
+        finally:
+            self._reply_slots.give()  # taken when the reply's headers came in (client.ReplySlots)
 
     def _versions(self, parsed: ParsedOutput, version: int) -> tuple[int, int | None]:
         """(policy_version, first_policy_version) of a reply. `version`: this client's weight version when the
@@ -514,6 +509,7 @@ class SGLangEngine(ServerControl, RolloutEngine):
         last_error, last_url, timed_out = "", None, False
         attempt, tries, lost = 0, 0, None  # lost: the server that held this request when it was lost
         while attempt <= self.max_retries:
+            self._reply_slots.give()  # an earlier attempt's reply, not taken
             if tries:
                 if lost is None:
                     delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
@@ -539,7 +535,8 @@ class SGLangEngine(ServerControl, RolloutEngine):
                 return None, None, rids, None
             try:
                 status, body = client.post_read(self._http, url + "/generate", payload,
-                                                timeout=(self.connect_timeout_s, self.request_timeout_s))
+                                                timeout=(self.connect_timeout_s, self.request_timeout_s),
+                                                on_headers=self._reply_slots.take)
             except requests.Timeout as e:
                 last_error, timed_out = f"timed out after {self.request_timeout_s:g} s ({e})", True
                 self._abort_rids(url, rids)
