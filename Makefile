@@ -35,11 +35,12 @@ train: install
 	$(BIN)/python -m megatron_dapo.train --config $(CONFIG) $(ARGS)
 
 # The default suite: everything but the `slow` and `gpu` markers. It includes the tests against real
-# SGLang servers (tests/sglang_real), which run in their own venv. The 15 slowest tests are listed at the
-# end, so growth is seen when it happens. The two venvs build side by side (a fresh machine: 114 s instead
+# SGLang servers (tests/sglang_real), which run in their own venv. The 15 slowest tests, and the 15 that
+# used the most CPU with the processes they waited for (tests/conftest.py), are listed at the end, so growth
+# is seen when it happens. The two venvs build side by side (a fresh machine: 114 s instead
 # of 162 s one after the other). TEST_WORKERS pytest-xdist workers run the tests (2: on 2 cores the suite
-# takes 28 minutes instead of 36, many of its tests wait on servers and processes); tests/sglang_real runs
-# on one of them, so its two shared servers start once (tests/conftest.py). TEST_WORKERS=0 runs in-process.
+# takes 28 minutes instead of 36, many of its tests wait on servers and processes); the tests of the two
+# shared real servers run on one of them, so the servers start once (tests/conftest.py). TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 

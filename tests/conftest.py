@@ -1,7 +1,11 @@
-"""Test-suite wiring: tests under tests/gpu get the `gpu` marker (and are skipped without CUDA)."""
+"""Test-suite wiring: tests under tests/gpu get the `gpu` marker (and are skipped without CUDA); the
+pytest-xdist groups; each test's CPU seconds (its process and the child processes it waited for: servers,
+torchrun jobs) recorded as the `cpu_s` property (in --junitxml) and, with --durations, the tests that used
+the most CPU listed at the end: on 2 cores the suite's time is its CPU, not its slowest test."""
 
 import os
 import pathlib
+import resource
 
 import pytest
 
@@ -63,3 +67,42 @@ def pytest_configure(config):
     if getattr(config.option, "dist", "no") == "loadgroup" and "_nodeid" not in Node.nodeid.fget.__code__.co_names:
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's --dist loadgroup cannot group tests "
                                 "with it (the project's dev extras pin pytest<9.2)")
+
+
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_START] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and _CPU_AT_START in item.stash:  # before the teardown report copies the properties
+        item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_START], 2)))
+    yield
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+_CPU_BY_TEST: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # on the pytest-xdist controller too: the reports carry the properties
+        for name, value in report.user_properties:
+            if name == "cpu_s":
+                _CPU_BY_TEST[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.option.durations or not _CPU_BY_TEST:
+        return
+    most = sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:config.option.durations]
+    terminalreporter.write_sep("=", f"most CPU, {len(most)} tests (with the processes they waited for; "
+                                    f"{sum(_CPU_BY_TEST.values()):.0f} s in all)")
+    for nodeid, seconds in most:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+
