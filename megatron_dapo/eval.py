@@ -205,8 +205,9 @@ def _engine(args, src: Source, tokenizer):
         finally:
             engine.close()
     finally:
-        for server in servers:
-            server.stop()
+        from megatron_dapo.rollout.sglang.server import stop_servers
+
+        stop_servers(servers)
 
 
 def _local_model(src: Source):

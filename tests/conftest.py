@@ -1,7 +1,8 @@
 """Test-suite wiring: tests under tests/gpu get the `gpu` marker (and are skipped without CUDA); the
 pytest-xdist groups; each test's CPU seconds (its process and the child processes it waited for: servers,
 torchrun jobs) recorded as the `cpu_s` property (in --junitxml) and, with --durations, the tests that used
-the most CPU listed at the end: on 2 cores the suite's time is its CPU, not its slowest test."""
+the most CPU listed at the end: on 2 cores the suite's time is its CPU, not its slowest test. A process is
+counted when it is waited for: the session's shared servers land on the test whose teardown stops them."""
 
 import os
 import pathlib

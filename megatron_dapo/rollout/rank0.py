@@ -292,8 +292,10 @@ class RankZeroEngine(RolloutEngine):
     def close(self) -> None:
         if self.rank == 0:
             self.engine.close()
-        for server in self.servers:
-            server.stop()
+        if self.servers:
+            from megatron_dapo.rollout.sglang.server import stop_servers
+
+            stop_servers(self.servers)
 
 
 __all__ = ["DriverError", "RankZeroEngine", "broadcast_batch", "decode_batch", "encode_batch", "rows_of"]

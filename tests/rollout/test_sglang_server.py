@@ -17,6 +17,7 @@ from megatron_dapo.rollout.sglang.server import (
     build_launch_command,
     launch_server,
     launch_servers,
+    stop_servers,
     wait_for_health,
 )
 from tests.standin import LAUNCHER, StandinServer, available_versions, expected_checksums
@@ -345,3 +346,30 @@ def test_launched_servers_answer_health_without_a_generation_unless_told_otherwi
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "1"
     monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
     assert server_environment(None)["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "true"
+
+
+def test_servers_are_stopped_at_once_and_the_first_failure_is_raised_after_every_stop_returned():
+    """stop_servers runs every stop together (each of these waits for all the others: one after the other,
+    the barrier would time out), and a stop that fails does not leave the others running."""
+    import threading
+
+    barrier, stopped = threading.Barrier(4, timeout=30), []
+
+    class Server:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def stop(self):
+            barrier.wait()
+            stopped.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not stop")
+
+    stop_servers([Server("a"), Server("b"), Server("c"), Server("d")])
+    assert sorted(stopped) == ["a", "b", "c", "d"]
+    stopped.clear()
+    barrier.reset()
+    with pytest.raises(RuntimeError, match="c would not stop"):
+        stop_servers([Server("a"), Server("b"), Server("c", fails=True), Server("d")])
+    assert sorted(stopped) == ["a", "b", "c", "d"]
+    stop_servers([])  # nothing launched: nothing to do

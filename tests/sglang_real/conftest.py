@@ -122,7 +122,7 @@ def real_servers(tiny_qwen2, tmp_path_factory):
     """Two real SGLang servers (TP 1, fp32) for the session; stopped at its end with nothing left behind."""
     from megatron_dapo.config import load_config
     from megatron_dapo.rollout.sglang.build import sglang_launch_plan
-    from megatron_dapo.rollout.sglang.server import launch_servers
+    from megatron_dapo.rollout.sglang.server import launch_servers, stop_servers
 
     model_dir, tokenizer_dir = tiny_qwen2
     log_dir = tmp_path_factory.mktemp("sglang_logs")
@@ -142,6 +142,5 @@ def real_servers(tiny_qwen2, tmp_path_factory):
     print(f"\nreal SGLang servers {fixture.urls} up in {fixture.start_s:.1f} s")
     yield fixture
     pids = server_tree(servers)
-    for s in servers:
-        s.stop()
+    stop_servers(servers)
     assert_all_gone(pids)

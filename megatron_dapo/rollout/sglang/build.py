@@ -282,14 +282,14 @@ def weight_push(cfg: Config, *, pgs, engine, chunks, vocab_size: int, free_memor
         return _sglang_push(cfg, parts)
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.sglang.autospec import AutoSpeculation, SpeculationProbe, same_sampling
+    from megatron_dapo.rollout.sglang.server import stop_servers
 
     def mode(on: bool) -> Config:
         off = dataclasses.replace(spec, algorithm=spec.algorithm if on else None, auto=False)
         return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, speculative=off))
 
     def relaunch(on: bool):  # rank 0: the servers of this run, stopped and started in the other mode
-        for server in parts.engine.servers:
-            server.stop()
+        stop_servers(parts.engine.servers)
         parts.engine.servers = launch_sglang(mode(on))
         return connect(cfg, _urls(parts.engine.servers), parts.engine.servers)
 

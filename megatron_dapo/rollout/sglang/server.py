@@ -237,6 +237,25 @@ class ServerProcess:
         return wait_for_health(self.url, timeout_s=timeout_s, server=self)
 
 
+def stop_servers(servers: Sequence) -> None:
+    """Stop every server at once, each in its own thread (anything with `.stop()`: a ServerProcess, a Ray
+    placed server). SGLang drains for seconds after SIGTERM (6-10 s measured on 2 CPU cores), so stopping
+    one after the other costs that per server, at every end of a run and every relaunch. The first failure
+    is raised once every stop has returned."""
+    servers = list(servers)
+    if len(servers) <= 1:
+        for server in servers:
+            server.stop()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(servers), thread_name_prefix="sglang-stop") as pool:
+        futures = [pool.submit(server.stop) for server in servers]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
 def launch_server(
     command: Sequence[str], *, url: str, log_path: str | os.PathLike, env: dict[str, str] | None = None
 ) -> ServerProcess:
@@ -363,7 +382,6 @@ def launch_servers(
         for server in servers:
             wait_for_health(server.url, timeout_s=max(0.0, deadline - time.monotonic()), server=server)
     except BaseException:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)
         raise
     return servers
