@@ -84,7 +84,30 @@ def pytest_runtest_setup(item):
 def pytest_runtest_makereport(item, call):
     if call.when == "teardown" and _CPU_AT_START in item.stash:  # before the teardown report copies the properties
         item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_START], 2)))
+        left = _children_alive()
+        if left:  # a process a test left running spends CPU beside the tests after it
+            item.user_properties.append(("children_alive", left))
     yield
+
+
+def _children_alive() -> str:
+    """This process's live children after a test, as `pid:name`, but the checkpoint writer's queue server,
+    which stays with the process by design (trainer/checkpoint.py)."""
+    import sys
+
+    import psutil
+
+    fa = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    manager = getattr(fa, "_results_manager", None)
+    kept = {manager[1].pid} if isinstance(manager, tuple) else set()
+    alive = []
+    for child in psutil.Process().children():
+        try:
+            if child.pid not in kept and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{child.pid}:{' '.join(child.cmdline()[:3])[:80]}")
+        except psutil.Error:
+            pass
+    return ", ".join(alive)
 
 
 _CPU_AT_START = pytest.StashKey[float]()
