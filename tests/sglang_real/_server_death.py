@@ -122,7 +122,17 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
             want = export_logprobs(cfg.model.hf_path, tensors)
             entry = {"version": version, "states": dict(rz.engine.pool.state), "metrics": metrics, "servers": {}}
             for url in rz.engine.pool.up():
-                got, reported = server_logprobs(url)
+                try:
+                    got, reported = server_logprobs(url)
+                except requests.ConnectionError:
+                    # the victim killed while its probe ran (the pool has not seen it go yet): not probed
+                    deadline = time.monotonic() + 10
+                    while events.get("killed_url") != url and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if events.get("killed_url") != url:
+                        raise
+                    entry["servers"][url] = {"lost_during_probe": True}
+                    continue
                 entry["servers"][url] = {"weight_version": reported,
                                          "max_abs_diff": max(abs(a - b) for a, b in zip(got, want, strict=True))}
             report.append(entry)
