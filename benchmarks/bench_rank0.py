@@ -288,7 +288,6 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
     tokenizer = load_tokenizer(os.path.join(out, "tokenizer"))
     client_cpu = [0.0]
     held_routing = [0]  # rank 0: rows of the engine's returned batch that still hold R3 routing
-    held, held_lock = [0, 0], threading.Lock()
     replies: list[float] = []
     engine = None
     if rank == 0:
@@ -313,21 +312,6 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
             replies.append(time.time())
             return r
         engine._http.post = timed_post
-        slots = engine._reply_slots
-
-        class HeldSlots(type(slots)):  # replies read and not yet made rows: what the planner's parse term holds
-            def take(self):
-                super().take()
-                with held_lock:
-                    held[0] += 1
-                    held[1] = max(held[1], held[0])
-
-            def give(self):
-                if getattr(self._mine, "held", False):
-                    with held_lock:
-                        held[0] -= 1
-                super().give()
-        engine._reply_slots = HeldSlots(slots.n)
     try:  # what the trainer does once its parts are built (trainer/run.py)
         from megatron_dapo.trainer.run import freeze_startup_objects
     except ImportError:  # a trainer from before it
@@ -419,7 +403,7 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
             profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"rank{rank}.prof"))
         peak = rss.stop()
     result = {"rank": rank, "peak_gib": peak / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
-              "client_cpu_s": client_cpu[0], "replies_held_max": held[1], "score_local_s": local[0],
+              "client_cpu_s": client_cpu[0], "replies_held_max": engine._reply_slots.most if engine is not None else 0, "score_local_s": local[0],
               "score_beside_s": beside, "scored_after": stop is None, "last_reply": max(replies) if replies else None,
               "real_tokens": int(rollout.response_length.sum()), "train_rows": len(train),
               "routing_rows_kept": sum(r is not None for r in batch.rollout.routed_experts or []),

@@ -161,28 +161,6 @@ def test_an_error_body_is_cut_to_the_characters_asked_for_even_mid_character():
     assert client.body_text(b"abc\xff", 10) == "abc\ufffd"
 
 
-class _CountedSlots(client.ReplySlots):
-    """ReplySlots that count the replies held (taken and not yet given back) now and at most."""
-
-    def __init__(self):
-        import threading
-
-        super().__init__()
-        self._lock, self.now, self.most = threading.Lock(), 0, 0
-
-    def take(self):
-        super().take()
-        with self._lock:
-            self.now += 1
-            self.most = max(self.most, self.now)
-
-    def give(self):
-        if getattr(self._mine, "held", False):
-            with self._lock:
-                self.now -= 1
-        super().give()
-
-
 def test_a_burst_of_finished_requests_holds_at_most_replies_at_once_bodies_and_every_exit_gives_its_slot(
         tmp_path, monkeypatch):
     """48 requests that finish together (the end of a batch), each made rows slowly: at most REPLIES_AT_ONCE
@@ -204,21 +182,21 @@ def test_a_burst_of_finished_requests_holds_at_most_replies_at_once_bodies_and_e
     prompts = [PromptInput(f"p{i}", (1, 2, 3)) for i in range(48)]
     with StandinServer(toy=True, log_dir=tmp_path) as srv:
         with SGLangEngine([srv.url], max_batch_size=1, max_concurrency=48, max_retries=2, backoff_s=0.01) as eng:
-            eng._reply_slots = slots = _CountedSlots()
+            slots = eng._reply_slots
             srv.knobs(delay_s=0.5)
             out = eng.generate(prompts, SamplingParams(max_new_tokens=4))
             assert len(out) == 48 and all(s.finish_reason == "length" for s in out)
-            assert slots.most == client.REPLIES_AT_ONCE and slots.now == 0, (slots.most, slots.now)
+            assert slots.most == client.REPLIES_AT_ONCE and slots.held == 0, (slots.most, slots.held)
 
             srv.knobs(delay_s=0.0, fail_next=6, fail_status=503)  # retried: each failed attempt gives its slot
             assert len(eng.generate(prompts[:12], SamplingParams(max_new_tokens=4))) == 12
-            assert slots.now == 0
+            assert slots.held == 0
             srv.knobs(malform="not_list")
             with pytest.raises(RolloutEngineError, match="expected a list"):
                 eng.generate(prompts[:12], SamplingParams(max_new_tokens=4))
             deadline = _time.monotonic() + 30  # the call raised at its first error; its other requests end now
-            while slots.now and _time.monotonic() < deadline:
+            while slots.held and _time.monotonic() < deadline:
                 _time.sleep(0.01)
-            assert slots.now == 0
+            assert slots.held == 0
             srv.knobs(malform=None)
-            assert len(eng.generate(prompts, SamplingParams(max_new_tokens=4))) == 48 and slots.now == 0
+            assert len(eng.generate(prompts, SamplingParams(max_new_tokens=4))) == 48 and slots.held == 0

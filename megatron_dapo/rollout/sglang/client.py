@@ -59,22 +59,28 @@ class ReplySlots:
     """At most `n` replies read and being made rows at once in this process. A thread takes a slot when its
     reply's headers arrive (`post_read`'s on_headers), before the body is read, and gives it back once the
     reply is rows or has failed; `give` does nothing for a thread that holds no slot, so every exit may call
-    it."""
+    it. `held` counts the slots taken now, `most` the most taken at once (what the planner's term bounds)."""
 
     def __init__(self, n: int = REPLIES_AT_ONCE):
         if n < 1:
             raise ValueError(f"ReplySlots(n={n}): expected at least one slot")
-        self.n = n
+        self.n, self.held, self.most = n, 0, 0
         self._free = threading.BoundedSemaphore(n)
         self._mine = threading.local()
+        self._count = threading.Lock()
 
     def take(self) -> None:
         self._free.acquire()
         self._mine.held = True
+        with self._count:
+            self.held += 1
+            self.most = max(self.most, self.held)
 
     def give(self) -> None:
         if getattr(self._mine, "held", False):
             self._mine.held = False
+            with self._count:
+                self.held -= 1
             self._free.release()
 
 
