@@ -111,9 +111,6 @@ def _check_queue(cfg: Config) -> None:
             raise ConfigError("rollout.speculative.auto", "the with / without speculation comparison relaunches the "
                               "servers between steps; the queue trainer's async mode generates across steps: set "
                               "rollout.speculative.auto=false")
-    if cfg.actor.router_replay == "r3":
-        raise ConfigError("actor.router_replay", "r3 is not supported by the queue trainer yet (the queue does not "
-                          "carry the servers' routing): use r2, or the sync trainer (queue.enable=false)")
     if cfg.trainer.async_save:
         raise ConfigError("trainer.async_save", "the queue trainer saves synchronously (its queue and checkpoint are "
                           "committed together); set trainer.async_save=false or use the sync trainer")

@@ -12,8 +12,11 @@ Queue layout (one partition, `TRAIN_PARTITION`, for the whole run; see queue_tra
     <key>_<j>    its j-th trajectory, j < rollout.n. Fields: prompts [P] int64, responses [L]
                  int64, rollout_log_probs [L] fp32, finish_reason, min_policy_version,
                  max_policy_version, meta; with a scorer (claim_reward.py, the trainer's producers)
-                 rm_scores, rewards, response_text and the reward's extra keys; the trainer adds
-                 old_log_probs and entropy.
+                 rm_scores, rewards, response_text and the reward's extra keys; with `routing`
+                 (actor.router_replay=r3) routed_experts, the MoE routing the server chose for the
+                 row [L_hf, P + L - 1, K] uint8 / int16, in a file beside the queue (queue/spool.py;
+                 the field holds its reference), or None (a row without it); the trainer adds
+                 old_log_probs and entropy (and drops the routing of a group filtered or consumed).
 
 Lifecycle: pending --claim--> running --write--> done --trainer step commit--> consumed.
 A claim sets status running and a claim token in ONE transaction; the write puts all n
@@ -156,17 +159,21 @@ class Producer:
     def __init__(self, queue: TransferQueue, engine, *, sampling: SamplingParams, producer_id: str,
                  partition: str = TRAIN_PARTITION, weights: WeightStore | None = None, partial_rollout: bool = False,
                  fault_point: str = "generation", poll_s: float = 0.05, stop: threading.Event | None = None,
-                 scorer: ClaimScorer | None = None):
+                 scorer: ClaimScorer | None = None, routing: bool = False):
         """stop: once set, a claim whose generation returns is not written (it stays running: the
         generation may have been cut by an abort at shutdown; the next start's recovery reissues it).
         scorer: the reward stage, run on each claim before its write (claim_reward.py); None writes the
-        trajectories unscored (a producer of a test or of data that is scored elsewhere)."""
+        trajectories unscored (a producer of a test or of data that is scored elsewhere). routing: write
+        each trajectory's `routed_experts` (the engine asks its servers for it: actor.router_replay=r3)."""
         if partial_rollout and weights is None:
             raise ValueError("partial rollouts need a WeightStore: a weight sync is what aborts a generation")
+        if partial_rollout and routing:  # a continuation is a new request: its routing covers its segment only
+            raise ValueError("routing replay (routing=True) cannot join aborted and continued samples' routing; "
+                             "SGLang's producers pause generation in place instead")
         self.queue, self.engine, self.sampling = queue, engine, sampling
         self.producer_id, self.partition, self.weights = producer_id, partition, weights
         self.partial_rollout, self.fault_point, self.poll_s = partial_rollout, fault_point, poll_s
-        self.stop, self.scorer = stop, scorer
+        self.stop, self.scorer, self.routing = stop, scorer, routing
         self._claims = 0
 
     @property
@@ -227,6 +234,9 @@ class Producer:
     def _write(self, keys: list[str], groups: dict[str, list[Trajectory]], token: str,
                scores: dict[str, dict[str, list]] | None = None) -> int:
         q, part = self.queue, self.partition
+        # R3: each row's routing to its own file first, so that the transaction references only whole files
+        # (a row the transaction discards leaves a file no row names: queue/spool.py sweeps it)
+        spooled = self._spool_routing(keys, groups, token) if self.routing else None
         with q.transaction():
             tags = q.get_tags(part, keys)
             claims = q.get(part, keys, ["claim"])["claim"]
@@ -245,6 +255,8 @@ class Producer:
                     rows.append(t)
                     ttags.append({"status": "done", "global_steps": steps[k], "policy_version": s.policy_version})
             fields = _trajectory_fields(rows)
+            if spooled is not None:
+                fields["routed_experts"] = [spooled[k][j] for k in live for j in range(len(groups[k]))]
             if scores is not None:
                 names = [name for name in scores[live[0]] if name != "reward_keys"]
                 fields.update({name: [v for k in live for v in scores[k][name]] for name in names})
@@ -257,6 +269,23 @@ class Producer:
             for version, ks in by_version.items():
                 q.update_tags(part, ks, status="done", policy_version=version)
         return len(live)
+
+    def _spool_routing(self, keys: list[str], groups: dict[str, list[Trajectory]], token: str
+                       ) -> dict[str, list[dict | None]]:
+        """Each row's routing ([L_hf, P + L - 1, K] as the engine decoded it) in its own spool file, named
+        by its trajectory key and this claim's token; per key, each row's reference (None: no routing)."""
+        import hashlib
+
+        from megatron_dapo.queue.spool import spool_dir, write_tensor
+
+        directory, out = spool_dir(self.queue.path), {}
+        for k in keys:
+            out[k] = []
+            for j, t in enumerate(groups[k]):
+                r = t.sample.routed_experts
+                name = hashlib.sha1(f"{trajectory_key(k, j)}|{token}".encode()).hexdigest() + ".routing"
+                out[k].append(None if r is None else write_tensor(directory, name, r))
+        return out
 
     # -- sampling with partial rollouts ---------------------------------------------------------
     def _sample(self, inputs: list[PromptInput], sampling: SamplingParams) -> list[Trajectory]:

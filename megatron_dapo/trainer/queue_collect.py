@@ -14,7 +14,7 @@ import time
 import torch
 
 from megatron_dapo.algos.dynamic_sampling import select_informative_groups
-from megatron_dapo.queue import trajectory_key
+from megatron_dapo.queue import QueueKeyError, spool, trajectory_key
 from megatron_dapo.rollout.base import PromptInput, ragged_batch
 from megatron_dapo.trainer import stages
 from megatron_dapo.trainer.batch import ScoredBatch
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 TRAIN = TRAIN_PARTITION
 STATE = "trainer"  # one entry, "sampler": the sampler position after the last issued generation batch
+SWEEP_GRACE_S = 600.0  # R3 routing files: a claim's transaction commits well within this after its files
 TRAJ_FIELDS = ("prompts", "responses", "rollout_log_probs", "finish_reason", "min_policy_version",
                "max_policy_version", "meta", "rm_scores", "rewards", "response_text")
 
@@ -141,6 +142,9 @@ class QueueCollection:
         f = self.queue.get(TRAIN, tkeys, [metric, "min_policy_version"])
         index = [k for k in keys for _ in range(self.n)]
         kept = set(select_informative_groups(index, f[metric])) if fg.enable else set(keys)
+        dropped = [k for k in keys if k not in kept]
+        if dropped and self.r3:  # a filtered group is never trained: its routing need not stay on disk
+            self._drop_routing(dropped)
         for i, k in enumerate(keys):
             self._seen.add(k)
             if k in kept:
@@ -155,6 +159,8 @@ class QueueCollection:
         oldest = self.policy_version - self.cfg.queue.max_staleness * self.P
         stale = [k for k, v in self._pool if v < oldest]  # v: the oldest version that produced a token
         if stale:
+            if self.r3:
+                self._drop_routing(stale)
             with self.queue.transaction():
                 self.queue.delete_trajectories(TRAIN, stale)
                 self.queue.update_tags(TRAIN, stale, status="pending", global_steps=step)
@@ -167,9 +173,40 @@ class QueueCollection:
     def _traj_keys(self, keys: list[str]) -> list[str]:
         return [trajectory_key(k, j) for k in keys for j in range(self.n)]
 
+    def _drop_routing(self, keys: list[str]) -> None:
+        """R3: the routing files of these groups' rows are removed (a row's is ~2.5 MB at the MoE recipe) and
+        their references cleared; the rest of each row stays."""
+        tkeys = self._traj_keys(keys)
+        spool.drop(spool.spool_dir(self.queue.path), self._routing_refs(tkeys))
+        self.queue.put_fields(TRAIN, tkeys, {"routed_experts": [None] * len(tkeys)})
+
+    def _routing_refs(self, tkeys: list[str]) -> list[dict | None]:
+        """The spool references of these trajectories' routing (None where a row has none, or was written
+        without the field: a run resumed with actor.router_replay changed)."""
+        try:
+            return self.queue.get(TRAIN, tkeys, ["routed_experts"])["routed_experts"]
+        except QueueKeyError:
+            out = []
+            for k in tkeys:
+                try:
+                    out += self.queue.get(TRAIN, [k], ["routed_experts"])["routed_experts"]
+                except QueueKeyError:
+                    out.append(None)
+            return out
+
+    def _sweep_routing(self, *, producers_running: bool) -> None:
+        """R3: remove the routing files no trajectory of the queue references (queue/spool.py); while producers
+        run, only those older than SWEEP_GRACE_S (a claim's files are written before its transaction)."""
+        live = self._routing_refs(self.queue.list_keys(TRAIN, is_prompt=False))
+        removed = spool.sweep(spool.spool_dir(self.queue.path), live,
+                              min_age_s=SWEEP_GRACE_S if producers_running else 0.0)
+        if removed:
+            log.info("removed %d routing files no queued row references", removed)
+
     # -- the train groups' batch, from the queue ----------------------------------------------------
     def _load_batch(self, keys: list[str]) -> tuple[ScoredBatch, torch.Tensor]:
-        """The train groups as a ScoredBatch, and the oldest policy version of each row [B]."""
+        """The train groups as a ScoredBatch, and the oldest policy version of each row [B]. With R3 the rows'
+        routing too (the producers wrote it with each claim): rank 0 holds one training batch's routing."""
         tkeys = self._traj_keys(keys)
         pf = self.queue.get(TRAIN, keys, ["raw_prompt", "ground_truth", "uid", "reward_keys"])
         reward_keys = pf["reward_keys"][0]  # the same reward manager scored every group
@@ -178,7 +215,8 @@ class QueueCollection:
         prompts = [PromptInput(k, tuple(f["prompts"][g * self.n].tolist())) for g, k in enumerate(keys)]
         rollout = ragged_batch(prompts, self.n, f["responses"], f["rollout_log_probs"], finish_reason=f["finish_reason"],
                                policy_version=f["max_policy_version"], meta=f["meta"],
-                               routed_experts=[None] * len(tkeys), pad_id=self.p.tokenizer.pad_id,
+                               routed_experts=self._read_routing(tkeys) if self.r3 else [None] * len(tkeys),
+                               pad_id=self.p.tokenizer.pad_id,
                                max_response_length=self.cfg.data.max_response_length)
         rep = lambda xs: [x for x in xs for _ in range(self.n)]  # noqa: E731
         extra = {name: f[name] for name in reward_keys}
@@ -190,6 +228,12 @@ class QueueCollection:
         min_versions = torch.tensor(f["min_policy_version"], dtype=torch.int64)
         self._check_versions(rollout, min_versions)
         return batch, min_versions
+
+    def _read_routing(self, tkeys: list[str]) -> list[torch.Tensor | None]:
+        """R3: the rows' routing, from the spool files the producers wrote: memory maps of them (read as the
+        step sends each row to its ranks), or read at once where a batch has more rows than maps to spare."""
+        directory, mapped = spool.spool_dir(self.queue.path), len(tkeys) <= spool.map_budget()
+        return [spool.read_tensor(directory, ref, mapped=mapped) for ref in self._routing_refs(tkeys)]
 
     def _check_versions(self, rollout, min_versions: torch.Tensor) -> None:
         """Rows must come from weights this trainer pushed: in sync mode the last push's, in async mode one

@@ -91,6 +91,7 @@ from megatron_dapo.trainer.producer import (
     sampling_params,
 )
 from megatron_dapo.trainer.queue_collect import STATE, TRAIN, QueueCollection
+from megatron_dapo.trainer.replay import provide_rollout_routing
 from megatron_dapo.trainer.server_producers import ProducerProcess
 from megatron_dapo.workers import memory
 
@@ -136,8 +137,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         # The engine rank 0 drives itself (SGLang: the client inside RankZeroEngine; None on other ranks).
         self.driven = parts.engine.engine if isinstance(parts.engine, RankZeroEngine) else parts.engine
         self.sampling = sampling_params(cfg, eos_id=parts.tokenizer.eos_id)
+        self.r3 = cfg.actor.router_replay == "r3"  # the servers' routing rides in the queue with each row
         self.producer = Producer(self.queue, self.driven, sampling=self.sampling, producer_id="trainer",
-                                 scorer=self.scorer) if self.sync_mode and self.is_rank0 else None
+                                 scorer=self.scorer, routing=self.r3) if self.sync_mode and self.is_rank0 else None
         self.weights = None if self.sync_mode or self.on_servers else \
             WeightStore(os.path.join(cfg.run_dir, "queue_weights"))
         self.pool: ProducerPool | None = None  # local engine: producer processes
@@ -231,6 +233,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         super()._save()
         if self.is_rank0:
             self.queue.delete_trajectories(TRAIN, self.queue.list_keys(TRAIN, is_prompt=True, status="consumed"))
+            if self.r3:  # the routing files of trajectories a recovery deleted, or of a claim that lost its prompts
+                self._sweep_routing(producers_running=True)
 
     def _step_once(self, step: int, timer, *, first: bool, last: bool):
         """One local update; returns (the trained ScoredBatch or None, metrics)."""
@@ -280,6 +284,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
         metrics: dict[str, float] = {}
         sum_sq = None
         with timer("old_log_prob"):
+            if self.r3:  # the servers' routing (rank 0 read the batch's from the queue) to the ranks that train each row
+                metrics.update(provide_rollout_routing(
+                    rb, [p.actor.policy] + ([p.reference] if p.reference is not None else []), pgs=p.pgs))
             if rc["bypass_mode"]:
                 record = {"old_log_probs": _rows(rb.rollout_log_probs, rb.response_length)}
             else:
@@ -287,6 +294,9 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
                 sum_sq = lp.sum_sq_probs
                 record = {"old_log_probs": _rows(lp.log_probs, rb.response_length),
                           "entropy": _rows(lp.entropy, rb.response_length)}
+                if p.actor.policy.last_replay_metrics:  # r3: the old_log_prob pass replayed the rollout's routing
+                    metrics["router_replay/rollout_mismatch_frac"] = float(
+                        p.actor.policy.last_replay_metrics["router_replay/mismatch_frac"])
             if self.is_rank0:  # the stage's output, on record in the queue
                 self.queue.put_fields(TRAIN, tkeys, record)
             old = _padded(record["old_log_probs"], rb.responses.shape[1])
@@ -305,7 +315,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
 
     # -- commit, weight sync ----------------------------------------------------------------------------
     def _commit(self, step: int, trained: list[str], *, last: bool) -> None:
-        """Consume the trained and filtered prompts (sync mode, last local update: the surplus too)."""
+        """Consume the trained and filtered prompts (sync mode, last local update: the surplus too). R3: their
+        routing leaves the queue with them (docs/queue-trainer.md: a resume that retrains them replays none)."""
         fates = [("trained", trained), ("filtered", self._filtered)]
         if self.sync_mode and last:
             fates.append(("surplus", [k for k, _ in self._pool]))
@@ -316,6 +327,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
                     self.queue.put_fields(TRAIN, keys, {"fate": [fate] * len(keys)}, status="consumed",
                                           global_steps=step)
                     self._seen.difference_update(keys)
+                    if self.r3 and fate != "filtered":  # (a filtered group's went at its classification)
+                        self._drop_routing(keys)
         self._filtered = []
 
     def _sync_weights(self, timer) -> dict[str, float]:
@@ -388,6 +401,8 @@ class QueueTrainer(QueueCollection, DAPOTrainer):
             self._load_sampler_record()
         n = self._reissue_inflight_prompts()
         log.info("queue recovery at step %d: %d in-flight prompts reissued", c, n)
+        if self.r3:  # before any producer starts: every file no row references is an orphan
+            self._sweep_routing(producers_running=False)
         num, claim_size = producer_layout(self.cfg.queue, gen_batch=self.gbs, on_servers=self.on_servers)
         if not self.sync_mode and self.on_servers:
             self.producers = ProducerProcess(self.queue, self.driven, sampling=self.sampling, num=num,
@@ -474,14 +489,16 @@ def _crossed(first: int, last: int, freq: int) -> bool:
 
 
 def _outline(batch: ScoredBatch) -> ScoredBatch:
-    """batch without its token entries (no row present) and without its texts (rank 0 alone dumps them): what
-    rank 0 sends the other ranks as an object; every per-row scalar, score and id is kept."""
+    """batch without its token entries (no row present), its texts (rank 0 alone dumps them) and its routing
+    (R3: rank 0 sends each row's to the ranks that train it, trainer/replay.py): what rank 0 sends the other
+    ranks as an object; every per-row scalar, score and id is kept."""
     rb = batch.rollout
     # New empty tensors, not views: a pickled view carries its whole storage.
     empty = {name: RaggedRows(torch.empty(0, dtype=getattr(rb, name).values.dtype), getattr(rb, name).lengths.clone(),
                               torch.zeros(len(rb), dtype=torch.bool), getattr(rb, name).width, getattr(rb, name).fill)
              for name in RAGGED_FIELDS}
-    return dataclasses.replace(batch, rollout=dataclasses.replace(rb, **empty), response_text=[""] * len(rb))
+    return dataclasses.replace(batch, rollout=dataclasses.replace(rb, routed_experts=None, **empty),
+                               response_text=[""] * len(rb))
 
 
 def _rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:

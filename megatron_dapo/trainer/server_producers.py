@@ -50,8 +50,10 @@ class ServerProducers:
     def __init__(self, queue_path: str, engine, *, sampling: SamplingParams, num: int, claim_size: int,
                  scorer: ClaimScorer | None = None, poll_s: float = 0.02,
                  on_error: Callable[[int, BaseException], None] | None = None):
-        """on_error(thread, error): called when a thread fails, besides keeping the error for `check`."""
+        """on_error(thread, error): called when a thread fails, besides keeping the error for `check`. Each
+        claim's routing (R3) is written with its rows when the engine asks the servers for it."""
         self.queue_path, self.engine, self.sampling, self.scorer = queue_path, engine, sampling, scorer
+        self.routing = getattr(engine, "routing", None) is not None
         self.num, self.claim_size, self.poll_s, self.on_error = num, claim_size, poll_s, on_error
         self._cond = threading.Condition()
         self._open = True  # False while drained: no thread starts a claim
@@ -69,7 +71,8 @@ class ServerProducers:
     def _run(self, i: int) -> None:
         queue = TransferQueue(self.queue_path)
         producer = Producer(queue, self.engine, sampling=self.sampling, producer_id=f"t{i}",
-                            fault_point="producer_generation", stop=self._stop, scorer=self.scorer)
+                            fault_point="producer_generation", stop=self._stop, scorer=self.scorer,
+                            routing=self.routing)
         try:
             while True:
                 with self._cond:

@@ -397,8 +397,7 @@ def test_groups_older_than_max_staleness_are_regenerated_under_drop_and_kept_und
      r"queue.enable: with rollout.engine=local the queue trainer runs one training process, got .* = 2"),
     (["rollout.engine=sglang", "model.hf_path=/nonexistent", "queue.max_staleness=1"],
      r"queue.max_staleness: expected 0 with rollout.mode=colocate, got 1: in async mode the servers generate"),
-    (["rollout.engine=sglang", "model.hf_path=/nonexistent", "actor.router_replay=r3"],
-     r"actor.router_replay: r3 is not supported by the queue trainer yet"),
+    (["actor.router_replay=r3"], r"actor.router_replay: r3 replays the routing SGLang reports per request"),
     (["trainer.async_save=true"], r"trainer.async_save: the queue trainer saves synchronously"),
 ], ids=["sync-step", "local-world", "sglang-async-colocated", "r3", "async-save"])
 def test_what_the_queue_trainer_does_not_run_is_refused_at_load_naming_the_key(tmp_path, extra, error):
