@@ -20,9 +20,19 @@ It prints per phase the serial seconds (each phase ends when the last rank is th
 reward seconds per claim (`reward_s_in_producers`: work that runs beside generation, in the producer
 threads of rank 0's process on SGLang), peak resident memory per rank and bytes between ranks, and ends
 with one JSON line (`serial_s_per_update`, `rank0_peak_gib`, `other_rank_peak_gib`, `reward_s_in_producers`
-extrapolated to 24,576 generated rows; `measured`: each size).
+extrapolated to 24,576 generated rows; `measured`: each size). The step's commit (the consumed prompts'
+fates, one transaction on rank 0 while the other ranks wait) is timed as the last phase.
+
+`--r3 LAYERS TOP_K EXPERTS` (actor.router_replay=r3): every sample carries its routing (uint8 [LAYERS,
+prompt + response - 1, TOP_K], random ids below EXPERTS) and the producer writes it into the queue with its
+claim; it then prints the producers' seconds writing claims (`write_s_in_producers`, beside generation) and
+the queue's bytes per generated row, and rank 0 reads the trained rows' routing back with the batch and drops
+the consumed groups' at the commit. (The routing's send to the ranks that train each row is the sync
+trainer's, bench_replay_routing.py.) At the MoE recipe's 48 x 8 ids a token that is ~2.5 MB a row at a 6k
+mean: run it at a smaller --mean-len on this machine.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_queue_rank0.py [--rows 1536 3072] [--mean-len 6000]
+        [--r3 LAYERS TOP_K EXPERTS]
 """
 
 from __future__ import annotations
@@ -58,17 +68,19 @@ from benchmarks.bench_rank0 import (  # noqa: E402
 )
 
 CLAIM = 64
-PHASES = ("rank0_batch", "train_batch")
+PHASES = ("rank0_batch", "train_batch", "commit")
 
 
 class LengthsEngine:
     """Samples of the given lengths (char-vocabulary tokens, stop at EOS unless capped): what a producer's
     engine call returns, without a server (generation is not part of the timed update)."""
 
-    def __init__(self, lengths: dict[tuple[int, ...], list[int]], max_len: int):
-        self.lengths, self.max_len, self.policy_version = lengths, max_len, 0
+    def __init__(self, lengths: dict[tuple[int, ...], list[int]], max_len: int, r3: tuple[int, int, int] | None):
+        self.lengths, self.max_len, self.r3, self.policy_version = lengths, max_len, r3, 0
 
     def generate(self, prompts, sampling):
+        import torch
+
         from megatron_dapo.rollout.base import Sample
 
         out = []
@@ -79,9 +91,13 @@ class LengthsEngine:
                 finish = "length" if L == self.max_len else "stop"
                 if finish == "stop":
                     toks[-1] = EOS
+                routing = None
+                if self.r3:
+                    layers, top_k, experts = self.r3
+                    routing = torch.randint(0, experts, (layers, len(p.token_ids) + L - 1, top_k), dtype=torch.uint8)
                 out.append(Sample(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=p.token_ids,
                                   response_token_ids=tuple(toks), rollout_log_probs=tuple(-0.5 for _ in toks),
-                                  finish_reason=finish, policy_version=0))
+                                  finish_reason=finish, policy_version=0, routed_experts=routing))
         return out
 
 
@@ -113,7 +129,9 @@ def _fill_queue(path: str, rows: int, args, tokenizer, rm) -> dict:
         from megatron_dapo.trainer.claim_reward import ClaimScorer
 
         kwargs["scorer"] = ClaimScorer(tokenizer, rm)
-    producer = producer_mod.Producer(q, LengthsEngine(by_prompt, args.max_len), sampling=sampling,
+    if args.r3:
+        kwargs["routing"] = True
+    producer = producer_mod.Producer(q, LengthsEngine(by_prompt, args.max_len, args.r3), sampling=sampling,
                                      producer_id="bench", **kwargs)
     reward_s = [0.0]
     if scored_in_producer:
@@ -126,10 +144,25 @@ def _fill_queue(path: str, rows: int, args, tokenizer, rm) -> dict:
             finally:
                 reward_s[0] += time.perf_counter() - t
         kwargs["scorer"].score = timed
+    write, write_s = producer._write, [0.0]
+
+    def timed_write(*a, **k):
+        t = time.perf_counter()
+        try:
+            return write(*a, **k)
+        finally:
+            write_s[0] += time.perf_counter() - t
+    producer._write = timed_write
     while producer.run_once(CLAIM):
         pass
     q.close()
-    return {"reward_s_in_producers": reward_s[0], "scored_in_producer": scored_in_producer}
+    from megatron_dapo.queue.spool import spool_dir
+
+    db = sum(os.path.getsize(path + suffix) for suffix in ("", "-wal") if os.path.exists(path + suffix))
+    if os.path.isdir(spool_dir(path)):  # R3: the routing files beside it
+        db += sum(e.stat().st_size for e in os.scandir(spool_dir(path)))
+    return {"reward_s_in_producers": reward_s[0], "scored_in_producer": scored_in_producer,
+            "write_s_in_producers": write_s[0], "queue_bytes_per_row": db / rows}
 
 
 def _worker(out: str, rows: int, args) -> None:
@@ -167,6 +200,7 @@ def _worker(out: str, rows: int, args) -> None:
             data=SimpleNamespace(max_response_length=args.max_len))
         t.p = SimpleNamespace(tokenizer=tokenizer, reward_manager=rm, pgs=SimpleNamespace(ctrl=group))
         t.sync_mode, t.P, t.n, t.tbs, t.gbs, t.world, t.is_rank0 = False, 1, N, prompts // 3, prompts, WORLD, rank == 0
+        t.r3 = bool(args.r3)
         t.queue = TransferQueue(qpath) if rank == 0 else None
         t.policy_version, t._pool, t._filtered, t._seen, t._stale_dropped = 0, [], [], set(), 0
         t._reward_keys, t._last_issue, t._row_info, t._held, t._min_versions = (), None, False, None, None
@@ -187,6 +221,8 @@ def _worker(out: str, rows: int, args) -> None:
 
             batch = dataclasses.replace(batch, rollout=to_dense(batch.rollout))
         marks["train_batch"] = time.time()
+        t._rank0(lambda: t._commit(1, keys, last=False))
+        marks["commit"] = time.time()
         peak = rss.stop()
     result = {"rank": rank, "peak_gib": peak / 2**30, "marks": marks, "wire_bytes": wire["bytes"],
               "train_rows": len(batch.rollout), "train_tokens": int(batch.rollout.response_length.sum()), **fill}
@@ -212,7 +248,7 @@ def _run(rows: int, args) -> dict:
         write_char_tokenizer(os.path.join(out, "tokenizer"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr",
                "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker", out, str(rows),
-               str(args.mean_len), str(args.sigma), str(args.max_len)]
+               str(args.mean_len), str(args.sigma), str(args.max_len), ",".join(map(str, args.r3 or ()))]
         r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=7200)
         if r.returncode:
             sys.exit(r.stdout[-4000:] + r.stderr[-4000:])
@@ -226,6 +262,8 @@ def _run(rows: int, args) -> dict:
     return {"rows": rows, "train_rows": ranks[0]["train_rows"], "train_tokens": ranks[0]["train_tokens"],
             "serial_s_per_update": round(prev - start, 3), "phases_s": phases,
             "reward_s_in_producers": round(ranks[0]["reward_s_in_producers"], 2),
+            "write_s_in_producers": round(ranks[0]["write_s_in_producers"], 2),
+            "queue_bytes_per_row": round(ranks[0]["queue_bytes_per_row"]),
             "scored_in_producer": ranks[0]["scored_in_producer"],
             "rank0_peak_gib": round(ranks[0]["peak_gib"], 3),
             "other_rank_peak_gib": round(max(rk["peak_gib"] for rk in ranks[1:]), 3),
@@ -234,11 +272,15 @@ def _run(rows: int, args) -> dict:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        out, rows, mean_len, sigma, max_len = sys.argv[2:7]
-        _worker(out, int(rows), SimpleNamespace(mean_len=int(mean_len), sigma=float(sigma), max_len=int(max_len)))
+        out, rows, mean_len, sigma, max_len, r3 = sys.argv[2:8]
+        _worker(out, int(rows), SimpleNamespace(mean_len=int(mean_len), sigma=float(sigma), max_len=int(max_len),
+                                                r3=tuple(map(int, r3.split(","))) if r3 else None))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size_arguments(p, [1536, 3072], "two generated sizes (multiples of 16)")
+    p.add_argument("--r3", type=int, nargs=3, metavar=("LAYERS", "TOP_K", "EXPERTS"),
+                   help="every row carries R3 routing of this layout (e.g. 48 8 128), written to and read from the "
+                        "queue")
     args = p.parse_args()
     check_sizes(p, args.rows)
     figures = []
@@ -247,14 +289,15 @@ def main() -> None:
         figures.append(f)
         print(f"{rows} generated rows, {f['train_rows']} trained ({f['train_tokens']:,} tokens): serial per update "
               f"{f['serial_s_per_update']} s {f['phases_s']}; reward in the producers {f['reward_s_in_producers']} s "
-              f"(scored there: {f['scored_in_producer']}); peak rank 0 {f['rank0_peak_gib']} GiB, others "
+              f"(scored there: {f['scored_in_producer']}), writes {f['write_s_in_producers']} s, queue "
+              f"{f['queue_bytes_per_row'] / 1024:.1f} KiB a row; peak rank 0 {f['rank0_peak_gib']} GiB, others "
               f"{f['other_rank_peak_gib']} GiB; wire rank 0 {f['wire_bytes_rank0'] / 2**20:.0f} MiB", flush=True)
     a, b = figures
     full = {k: extrapolate(a, b, k) for k in ("serial_s_per_update", "rank0_peak_gib", "other_rank_peak_gib",
-                                               "reward_s_in_producers")}
+                                               "reward_s_in_producers", "write_s_in_producers")}
     phases = extrapolate_phases(a, b, PHASES)
     print(f"extrapolated to {FULL_ROWS} generated rows: {full}, phases {phases}")
-    print(json.dumps({"trainer": "queue", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len,
+    print(json.dumps({"trainer": "queue", "rows": FULL_ROWS, "mean_response_tokens": args.mean_len, "r3": args.r3,
                       "max_len": args.max_len, **full, "phases_s": phases,
                       "extrapolated_from": [f["rows"] for f in figures], "measured": figures}))
 

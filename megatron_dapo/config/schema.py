@@ -364,7 +364,7 @@ class QueueConfig:
     enable: bool = False
     """Run the queue trainer (`_step_once` over the TransferQueue) instead of the sync `fit`."""
     path: str = ""
-    """SQLite file of the TransferQueue; empty = <run_dir>/queue.sqlite."""
+    """SQLite file of the TransferQueue; empty = <run_dir>/queue.sqlite. With actor.router_replay=r3 each queued row's routing is a file in <path>.spool/ beside it (about 2.5 MB a row at the MoE recipe: docs/queue-trainer.md)."""
     parameter_sync_step: int = 1
     """Local actor updates (`_step_once` calls) between weight syncs to the engines."""
     max_staleness: int = 0
