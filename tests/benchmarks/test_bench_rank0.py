@@ -7,6 +7,7 @@ import pathlib
 import statistics
 
 import orjson
+import pytest
 
 from megatron_dapo.rollout.sglang.payloads import parse_generate_output
 
@@ -53,19 +54,21 @@ def test_replay_replies_have_the_recorded_keys_in_order_and_parse_as_the_client_
         server.server_close()
 
 
-def test_queue_bench_fills_the_queue_with_scored_groups_of_the_stated_lengths(tmp_path):
-    """bench_queue_rank0.py's untimed set-up: the trainer's Producer writes every group, scored, in claims."""
+@pytest.mark.parametrize("r3", [None, (4, 2, 8)], ids=["plain", "r3"])
+def test_queue_bench_fills_the_queue_with_scored_groups_of_the_stated_lengths(tmp_path, r3):
+    """bench_queue_rank0.py's untimed set-up: the trainer's Producer writes every group, scored, in claims;
+    with --r3 each row's routing too (a spool file of layers x (prompt + response - 1) x top-k bytes)."""
     from types import SimpleNamespace
 
     from megatron_dapo.data.tokenizer import CharTokenizer
-    from megatron_dapo.queue import TransferQueue
+    from megatron_dapo.queue import TransferQueue, spool
     from megatron_dapo.rewards.manager import RewardManager
     from megatron_dapo.trainer.queue_trainer import TRAIN
 
     spec = importlib.util.spec_from_file_location("bench_queue_rank0", ROOT / "benchmarks" / "bench_queue_rank0.py")
     qbench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(qbench)
-    rows, args = 96, SimpleNamespace(mean_len=40, sigma=0.8, max_len=256)
+    rows, args = 96, SimpleNamespace(mean_len=40, sigma=0.8, max_len=256, r3=r3)
     with RewardManager(qbench.parity_reward, max_response_length=256, timeout_s=0) as rm:
         fill = qbench._fill_queue(str(tmp_path / "q.sqlite"), rows, args, CharTokenizer(), rm)
     assert fill["scored_in_producer"]
@@ -76,4 +79,12 @@ def test_queue_bench_fills_the_queue_with_scored_groups_of_the_stated_lengths(tm
     f = q.get(TRAIN, tkeys, ["responses", "rm_scores", "acc"])
     assert [len(r) for r in f["responses"]] == bench.row_lengths(rows, 40, 0.8, 256)
     assert f["rm_scores"] == [float(a) for a in f["acc"]] and 0 < sum(f["acc"]) < rows
+    if r3:
+        refs = q.get(TRAIN, tkeys, ["routed_experts"])["routed_experts"]
+        prompts = q.get(TRAIN, tkeys, ["prompts"])["prompts"]
+        directory = spool.spool_dir(tmp_path / "q.sqlite")
+        for ref, prompt, response in zip(refs, prompts, f["responses"], strict=True):
+            routing = spool.read_tensor(directory, ref)
+            assert routing.shape == (4, len(prompt) + len(response) - 1, 2) and int(routing.max()) < 8
+        assert fill["queue_bytes_per_row"] > sum(spool.read_tensor(directory, r).numel() for r in refs) / rows
     q.close()
