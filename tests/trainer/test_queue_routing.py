@@ -2,7 +2,7 @@
 reply) with its claim, a file per row beside the queue (queue/spool.py); dynamic sampling drops a filtered
 group's, rank 0 reads back the routing of the rows a step trains, exactly, with the rest of its batch
 (queue_collect.py), and the step's commit drops it; files no row references are swept. The run end to end
-on a real server: tests/sglang_real/test_moe.py."""
+on a real server: tests/sglang_real/test_moe_server.py."""
 
 import os
 import time
