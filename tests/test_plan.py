@@ -419,6 +419,25 @@ def test_router_replay_records_per_rank_at_the_moe_recipe():
     assert "host: r3 at rank 0       66.00" in format_plan(r3)
 
 
+def test_the_queue_trainers_r3_routing_files_are_planned_on_rank_0s_disk():
+    """The MoE recipe on the queue trainer's async mode with R3: the spool holds the routing of at most
+    (max_staleness + 1) x parameter_sync_step generation batches of 1,536 x 16 rows, each (2,048 + L - 1) tokens
+    x 48 layers x top-8 x 1 B; the planner prints it as a `disk:` line (none without R3 or the queue)."""
+    from megatron_dapo.plan import format_host, plan_host
+
+    arch = get_arch("qwen3-30b-a3b")
+    queue = ["queue.enable=true", "queue.max_staleness=1", "rollout.mode=disaggregate",
+             "rollout.sglang_urls=[http://10.0.0.1:30000]", "actor.router_replay=r3"]
+    cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml", *queue)
+    host = plan_host(cfg, memory_plan=plan_from_config(cfg, arch=arch), response_tokens=6000)
+    assert host.spool_rows == 2 * 1536 * 16 and host.spool == 2 * 1536 * 16 * (2048 + 6000 - 1) * 48 * 8
+    assert f"disk: rank 0's node {host.spool / 2**30:.1f} GiB: the queue's R3 routing files" in format_host(host)
+    for off in (queue[:4], queue[1:]):  # r2 on the queue; R3 on the sync trainer (routing in memory only)
+        cfg = _cfg("configs/dapo_qwen3_30b_a3b.yaml", *off)
+        host = plan_host(cfg, memory_plan=plan_from_config(cfg, arch=arch), response_tokens=6000)
+        assert host.spool == 0 and "disk:" not in format_host(host)
+
+
 def test_host_data_path_terms_by_hand():
     from megatron_dapo.plan.host import (
         JSON_PARSE_BYTES_PER_TOKEN,

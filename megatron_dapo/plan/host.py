@@ -33,6 +33,11 @@ every rank:
 - a process allowance (libraries, CUDA's host state): PROCESS_BYTES, an allowance, not a measurement.
 
 `benchmarks/bench_rank0.py` prints this plan's data-path figures beside its measured peaks.
+
+Disk: the queue trainer with R3 keeps each issued, not yet consumed row's routing in a file beside its queue
+(queue/spool.py): at most (max_staleness + 1) x parameter_sync_step generation batches of rows, each
+(max_prompt_length + response_tokens - 1) x MoE layers x top-k ids (memory.py's id width; SGLang's routing
+has a row for every decoder layer, equal where every layer routes, as in the MoE recipe): the `disk:` line.
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ class HostPlan:
     node_memory: int
     rank0: dict[str, int] = field(default_factory=dict)
     other: dict[str, int] = field(default_factory=dict)
+    spool_rows: int = 0
+    """The queue trainer with R3: rows whose routing files its spool holds at most (0: no spool)."""
+    spool: int = 0
+    """Bytes of those files on rank 0's node's disk (queue.path's directory), at response_tokens."""
 
     @property
     def rank0_total(self) -> int:
@@ -134,10 +143,17 @@ def plan_host(cfg, *, memory_plan=None, response_tokens: int | None = None,
         if memory_plan.router_replay_received:  # a replica's first rank at the step (rank 0 sends views)
             other["r3 rows received"] = memory_plan.router_replay_received
     every["process"] = PROCESS_BYTES
+    spool_rows = spool = 0
+    if cfg.queue.enable and memory_plan is not None and memory_plan.router_replay_rank0:
+        # the queue trainer keeps each issued, not yet consumed row's routing in a file (queue/spool.py); the
+        # admission window bounds those rows: (max_staleness + 1) x parameter_sync_step generation batches
+        per_token = memory_plan.router_replay_rank0 // (train_rows * memory_plan.max_seq_len)  # MoE layers x K x B
+        spool_rows = (cfg.queue.max_staleness + 1) * cfg.queue.parameter_sync_step * rows
+        spool = spool_rows * (d.max_prompt_length + L - 1) * per_token
     return HostPlan(rows=rows, train_rows=train_rows, response_tokens=L, world=cfg.trainer.world_size,
                     ranks_per_node=cfg.trainer.n_gpus_per_node,
                     node_memory=int(cfg.trainer.host_memory_gib_per_node * GIB),
-                    rank0={**rank0, **every}, other={**other, **every})
+                    rank0={**rank0, **every}, other={**other, **every}, spool_rows=spool_rows, spool=spool)
 
 
 def format_host(plan: HostPlan) -> str:
@@ -145,12 +161,14 @@ def format_host(plan: HostPlan) -> str:
     def terms(d: dict[str, int]) -> str:
         return ", ".join(f"{k} {v / GIB:.1f}" for k, v in d.items() if v)
 
+    disk = [f"disk: rank 0's node {plan.spool / GIB:.1f} GiB: the queue's R3 routing files (queue.path's "
+             f"directory; {plan.spool_rows:,} issued, not yet consumed rows at most)"] if plan.spool else []
     return "\n".join([
         f"host: rank 0 {plan.rank0_total / GIB:.1f} GiB ({terms(plan.rank0)})",
         f"host: other ranks {plan.other_total / GIB:.1f} GiB each ({terms(plan.other)})",
         f"host: rank 0's node {plan.node0_total / GIB:.1f} GiB of {plan.node_memory / GIB:.0f} GiB "
         f"({min(plan.ranks_per_node, plan.world)} ranks; {plan.rows:,} rows of {plan.response_tokens:,} tokens "
-        f"per generation batch, {plan.train_rows:,} trained)"])
+        f"per generation batch, {plan.train_rows:,} trained)", *disk])
 
 
 def check_host(plan: HostPlan) -> str | None:
