@@ -65,6 +65,7 @@ from benchmarks.bench_rank0 import (  # noqa: E402
     prompt_ids,
     row_lengths,
     size_arguments,
+    timed_into,
 )
 
 CLAIM = 64
@@ -133,26 +134,10 @@ def _fill_queue(path: str, rows: int, args, tokenizer, rm) -> dict:
         kwargs["routing"] = True
     producer = producer_mod.Producer(q, LengthsEngine(by_prompt, args.max_len, args.r3), sampling=sampling,
                                      producer_id="bench", **kwargs)
-    reward_s = [0.0]
+    reward_s, write_s = [0.0], [0.0]
     if scored_in_producer:
-        score = kwargs["scorer"].score
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return score(*a, **k)
-            finally:
-                reward_s[0] += time.perf_counter() - t
-        kwargs["scorer"].score = timed
-    write, write_s = producer._write, [0.0]
-
-    def timed_write(*a, **k):
-        t = time.perf_counter()
-        try:
-            return write(*a, **k)
-        finally:
-            write_s[0] += time.perf_counter() - t
-    producer._write = timed_write
+        kwargs["scorer"].score = timed_into(kwargs["scorer"].score, reward_s)
+    producer._write = timed_into(producer._write, write_s)
     while producer.run_once(CLAIM):
         pass
     q.close()

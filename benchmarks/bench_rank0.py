@@ -337,17 +337,9 @@ def _worker(out: str, url: str, rows: int, max_len: int, routing: tuple[int, int
     marks: dict[str, float] = {}
     local = [0.0]  # this rank's own scoring work (decode + reward): it divides by the ranks, unlike the rest
 
-    def timed(fn):
-        def wrapped(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                local[0] += time.perf_counter() - t
-        return wrapped
-    tokenizer.decode = timed(tokenizer.decode)
+    tokenizer.decode = timed_into(tokenizer.decode, local)
     with RewardManager(parity_reward, max_response_length=max_len, timeout_s=0) as rm:
-        rm.score = timed(rm.score)
+        rm.score = timed_into(rm.score, local)
         import gc
 
         gc.collect()
@@ -484,6 +476,17 @@ def _run(rows: int, args) -> dict:
             "replies_held_max": ranks[0]["replies_held_max"], "routing_rows_kept": ranks[0]["routing_rows_kept"],
             "routing_rows_held": ranks[0]["routing_rows_held"],
             "wire_bytes_rank0": ranks[0]["wire_bytes"], "wire_bytes_other_max": max(rk["wire_bytes"] for rk in ranks[1:])}
+
+
+def timed_into(fn, total: list[float]):
+    """fn, adding the seconds each call takes to total[0]."""
+    def wrapped(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            total[0] += time.perf_counter() - t
+    return wrapped
 
 
 def extrapolate(a: dict, b: dict, key: str) -> float:

@@ -6,7 +6,6 @@ import pytest
 
 from megatron_dapo.config.schema import QueueConfig
 from megatron_dapo.data.tokenizer import CharTokenizer
-from megatron_dapo.queue import TransferQueue
 from megatron_dapo.rewards.manager import RewardManager
 from megatron_dapo.rollout.base import Sample, SamplingParams
 from megatron_dapo.trainer.claim_reward import ClaimScorer
@@ -58,14 +57,6 @@ def test_a_claim_is_scored_per_group_with_overlong_shaping():
     assert [g["acc"] for g in groups] == [[True, False], [True, False, False]]
     assert groups[1]["data_source"] == ["b", "b", "b"]
     assert groups[0]["reward_keys"] == groups[1]["reward_keys"] and "acc" in groups[0]["reward_keys"]
-
-
-@pytest.fixture
-def queue(tmp_path):
-    q = TransferQueue(tmp_path / "q.sqlite")
-    q.create_partition(TRAIN)
-    yield q
-    q.close()
 
 
 def _put(q, prompts, truths):

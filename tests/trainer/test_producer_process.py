@@ -19,7 +19,6 @@ import time
 
 import pytest
 
-from megatron_dapo.queue import TransferQueue
 from megatron_dapo.rollout.base import PromptInput, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.trainer.queue_trainer import TRAIN
@@ -47,13 +46,6 @@ def servers(pair):
         if s.is_running():
             s.reset()
     return pair
-
-
-@pytest.fixture
-def queue(tmp_path):
-    q = TransferQueue(tmp_path / "q.sqlite")
-    yield q
-    q.close()
 
 
 def _put(queue, keys, *, step=1):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dapo.queue import QueueKeyError, TransferQueue, spool
+from megatron_dapo.queue import QueueKeyError, spool
 from megatron_dapo.rollout.base import Sample, SamplingParams
 from megatron_dapo.trainer.claim_reward import ClaimScorer
 from megatron_dapo.trainer.producer import Producer, WeightStore
@@ -59,14 +59,6 @@ class Rank0(QueueCollection):
                                    data=SimpleNamespace(max_response_length=4))
         self.p = SimpleNamespace(tokenizer=TOK)
         self._pool, self._filtered, self._seen = [], [], set()
-
-
-@pytest.fixture
-def queue(tmp_path):
-    q = TransferQueue(tmp_path / "q.sqlite")
-    q.create_partition(TRAIN)
-    yield q
-    q.close()
 
 
 def test_the_routing_written_with_a_claim_is_read_back_for_the_trained_rows_and_leaves_with_the_groups(queue):
