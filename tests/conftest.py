@@ -91,19 +91,13 @@ def pytest_runtest_makereport(item, call):
 
 
 def _children_alive() -> str:
-    """This process's live children after a test, as `pid:name`, but the checkpoint writer's queue server,
-    which stays with the process by design (trainer/checkpoint.py)."""
-    import sys
-
+    """This process's live children after a test, as `pid:name`."""
     import psutil
 
-    fa = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    manager = getattr(fa, "_results_manager", None)
-    kept = {manager[1].pid} if isinstance(manager, tuple) else set()
     alive = []
     for child in psutil.Process().children():
         try:
-            if child.pid not in kept and child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE:
                 alive.append(f"{child.pid}:{' '.join(child.cmdline()[:3])[:80]}")
         except psutil.Error:
             pass

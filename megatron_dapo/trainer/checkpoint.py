@@ -29,11 +29,16 @@ before manifests existed are accepted with a warning.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import pickle
+import queue
 import shutil
+import struct
+import tempfile
 import time
 
 import torch
@@ -123,49 +128,76 @@ def _die_with_parent() -> None:
         pass
 
 
-_QUEUE_SERVER = """
-import ctypes, os, signal, sys
-from multiprocessing.managers import SyncManager
-ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # the trainer died before the line above
-    sys.exit(1)
-server = SyncManager(address="\\0" + sys.argv[2], authkey=bytes.fromhex(sys.stdin.readline())).get_server()
-print("listening", flush=True)
-server.serve_forever()
-"""
+class WriteResultsFile:
+    """The queue Megatron's checkpoint writer reports its write results on (`filesystem_async._results_queue`).
+
+    Megatron makes a `multiprocessing.Manager().Queue()` at the first save (`_get_write_results_queue`): a
+    Manager server process started with "spawn", which re-imports the trainer's main module, outlives a
+    trainer killed with SIGKILL, and imports torch the first time it unpickles a result (2-3 s of a core per
+    rank at every trainer start). Its only use is one `put` by the process that ran the writes (the trainer
+    itself in a synchronous save, the helper it forked in an asynchronous one) and one `get_nowait` by the
+    trainer once that process has finished. So an unlinked temporary file does the same: `put` appends a
+    length-prefixed pickle (O_APPEND: a forked helper shares the open file), `get_nowait` reads the next one
+    from the trainer's own read position. Nothing is left behind, whatever kills the trainer; each save
+    starts from an empty file (`reset`; one save is in flight at a time)."""
+
+    _HEADER = struct.Struct("<Q")
+
+    def __init__(self):
+        fd, path = tempfile.mkstemp(prefix="megatron_dapo-checkpoint-results-")
+        os.unlink(path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        self._fd, self._read = fd, 0
+
+    def put(self, obj, block: bool = True, timeout: float | None = None) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(self._HEADER.pack(len(data)) + data)
+        while view:  # one writer at a time: a short write is continued where it stopped
+            view = view[os.write(self._fd, view):]
+
+    def get_nowait(self):
+        header = self._pread(self._HEADER.size, self._read)
+        if len(header) < self._HEADER.size:
+            raise queue.Empty
+        (size,) = self._HEADER.unpack(header)
+        data = self._pread(size, self._read + self._HEADER.size)
+        if len(data) < size:
+            raise RuntimeError(f"the checkpoint writer's results are truncated ({len(data)} of {size} bytes)")
+        self._read += self._HEADER.size + size
+        return pickle.loads(data)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        return self.get_nowait()  # read only after the writing process finished: there is nothing to wait for
+
+    def empty(self) -> bool:
+        return len(self._pread(1, self._read)) == 0
+
+    def reset(self) -> None:
+        os.ftruncate(self._fd, 0)
+        self._read = 0
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        parts = []
+        while size > 0:
+            chunk = os.pread(self._fd, size, offset)
+            if not chunk:
+                break
+            parts.append(chunk)
+            size, offset = size - len(chunk), offset + len(chunk)
+        return b"".join(parts)
 
 
-def _writer_queue_dies_with_us() -> None:
-    """Megatron's checkpoint writer reports through a queue of a multiprocessing Manager it starts at the first
-    save and keeps for the run (`_get_write_results_queue`), a process started with "spawn": it re-imports
-    the trainer's main module (seconds of a core per rank, at every trainer start), and a
-    trainer killed with SIGKILL left it (and the resource tracker it holds open) running forever.
-    The Manager's server runs here instead in a bare interpreter that imports only `multiprocessing`, with
-    PR_SET_PDEATHSIG so it dies with us, on a socket in Linux's abstract namespace (no file left behind by a
-    kill), and this process connects to it with its own authkey (which the writer processes Megatron forks
-    inherit)."""
-    import multiprocessing
-    import secrets
-    import subprocess
-    import sys
-    from multiprocessing.managers import SyncManager
-
+def _writer_results_file() -> None:
+    """Megatron's checkpoint writer reports through a `WriteResultsFile` of this process (made at the first
+    save, emptied at each), never through a Manager server process."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    if getattr(fa, "_results_queue", "absent") is not None:  # already made, or a release without it
+    if not hasattr(fa, "_results_queue"):  # a release without it: nothing to replace
         return
-    authkey = bytes(multiprocessing.current_process().authkey)
-    name = f"megatron_dapo-checkpoint-queue-{os.getpid()}-{secrets.token_hex(8)}"
-    server = subprocess.Popen([sys.executable, "-I", "-c", _QUEUE_SERVER, str(os.getpid()), name],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    server.stdin.write(authkey.hex() + "\n")
-    server.stdin.close()
-    if server.stdout.readline() != "listening\n":
-        raise RuntimeError(f"the checkpoint writer's queue server exited at start (exit code {server.wait()})")
-    manager = SyncManager(address="\0" + name, authkey=authkey)
-    manager.connect()
-    fa._results_queue = manager.Queue()
-    fa._results_manager = (manager, server)  # the connection and the server's process live with the queue
+    if isinstance(fa._results_queue, WriteResultsFile):
+        fa._results_queue.reset()
+    else:
+        fa._results_queue = WriteResultsFile()
 
 
 def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: int, is_rank0: bool,
@@ -175,7 +207,7 @@ def save_checkpoint(root: str, step: int, *, actor, trainer_state: dict, keep: i
     is returned: its `finish()` (a collective) completes the checkpoint (see PendingSave)."""
     from megatron.core import dist_checkpointing
 
-    _writer_queue_dies_with_us()
+    _writer_results_file()
     final, tmp = step_dir(root, step), os.path.join(root, f"tmp_global_step_{step}")
     if is_rank0:
         os.makedirs(root, exist_ok=True)
