@@ -4,7 +4,7 @@ releases; and the engine against the stand-in (a tiny HF Qwen3-MoE) puts on ever
 exactly the tokens the model was fed, prompt + response[:-1].
 
 The real CPU SGLang server returns routing too (with the test venv's host-allocation shim,
-tests/sglang_env/megatron_dapo_host_alloc.py): tests/sglang_real/test_train.py trains against it with R3.
+tests/sglang_env/megatron_dapo_host_alloc.py): tests/sglang_real/test_moe_server.py trains against it with R3.
 """
 
 import base64

@@ -2,9 +2,10 @@
 once for this module with --enable-return-routed-experts, beside the session's two Qwen2 servers:
 
 - a server of another model than the others is refused at connect, naming both;
+- the sync trainer trains against it, without and with R3 (the routing the server chose, replayed);
 - R3 in the queue trainer's async mode: the producer process asks the server for each request's routing,
   decodes it and writes it with its claim; rank 0 reads the trained rows' routing back from the queue, and
-  the actor replays it (the sync trainer's R3 against a real server: test_train.py).
+  the actor replays it.
 
 The module's tests run on the pytest-xdist worker of the shared servers, one after the other, so the MoE
 server starts once."""
@@ -18,7 +19,14 @@ import time
 import pytest
 
 from tests.sglang_real.conftest import ROOT, cpu_server_overrides, free_port_pair
-from tests.sglang_real.test_train import MEAN_DIFF_TOL, _run, _scalars, train_overrides
+from tests.sglang_real.test_train import (
+    MEAN_DIFF_TOL,
+    STEPS,
+    _check_log_probs,
+    _run,
+    _scalars,
+    train_overrides,
+)
 
 pytestmark = pytest.mark.xdist_group("sglang_shared_servers")
 
@@ -33,7 +41,7 @@ class MoEServer:
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     """One real Qwen3-MoE server (TP 1, fp32, routed experts returned, no radix cache: the queue trainer pushes
-    into running generation)."""
+    into running generation), launched through the trainer's own launch plan with actor.router_replay=r3."""
     from megatron_dapo.config import load_config
     from megatron_dapo.rollout.sglang.build import sglang_launch_plan
     from megatron_dapo.rollout.sglang.server import launch_servers
@@ -106,3 +114,35 @@ def test_r3_in_the_async_queue_trainer_replays_the_routing_the_real_server_chose
         assert 0.0 <= scalars["router_replay/rollout_mismatch_frac"][step] < 0.1, step
     assert scalars["router_replay/rollout_mismatch_frac"][1] == 0.0
     assert scalars["rollout_corr/log_prob_abs_diff"][1] < MEAN_DIFF_TOL
+
+
+def _sync_train(moe_server, tmp_path, *more: str) -> dict:
+    url = moe_server.server.url
+    _run([sys.executable, "-m", "megatron_dapo.train", "--config", "configs/tiny_cpu.yaml",
+          *train_overrides(moe_server.model_dir, moe_server.tokenizer_dir, f"rollout.sglang_urls=[{url}]",
+                           "rollout.mode=disaggregate", f"trainer.output_dir={tmp_path}", *more)], tmp_path)
+    return _scalars(tmp_path)
+
+
+def test_the_sync_trainer_trains_against_the_qwen3_moe_server(moe_server, tmp_path):
+    """Qwen3-MoE (4 experts, top-2) serves on the CPU server: the actor (Megatron MoE layers from the same
+    checkpoint, its own routers) trains 3 steps against it and recomputes the server's log-probs to round-off.
+    Top-2 routing of fp32 scores that agree to ~1e-6 picks the same experts on both sides unless two scores
+    tie that closely, which these random weights do not produce."""
+    _check_log_probs(_sync_train(moe_server, tmp_path))
+    assert "Qwen3MoeForCausalLM" in moe_server.server.log_path.read_text(errors="replace")
+
+
+def test_r3_replays_the_routing_the_real_server_chose(moe_server, tmp_path):
+    """actor.router_replay=r3 against the real server: the trainer's launch plan starts it with
+    --enable-return-routed-experts, every request returns its routed experts (SGLang's own int32 base64),
+    and the actor replays them in the old_log_prob and update passes. The actor's own routers would choose
+    the same experts at every routed position of every row and layer (rollout_mismatch_frac 0: the
+    server's layer order, token positions and expert ids are read right), both MoE layers took the
+    replayed routing, and the log-probs still agree with the server's to round-off."""
+    scalars = _sync_train(moe_server, tmp_path, "actor.router_replay=r3")
+    _check_log_probs(scalars)
+    assert "'enable_return_routed_experts': True" in moe_server.server.log_path.read_text(errors="replace")
+    for name, want in (("router_replay/rows_with_routing", 1.0), ("router_replay/rollout_mismatch_frac", 0.0),
+                       ("router_replay/engaged_layers", 2.0)):
+        assert scalars[name] == dict.fromkeys(range(1, STEPS + 1), want), (name, scalars[name])

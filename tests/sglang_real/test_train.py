@@ -1,6 +1,6 @@
 """The trainer against real SGLang 0.5.23 servers: `python -m megatron_dapo.train` with rollout.sglang_urls,
 2-process layouts (TP2, DP2, PP2) with every tensor checked at every server after every sync, and the
-trainer launching its own servers (TP 2, and a Qwen3-MoE model).
+trainer launching its own server (TP 2). The Qwen3-MoE model's tests (training against it, R3): test_moe_server.py.
 
 Tolerances: the servers run fp32 (conftest), like the actor, so the actor's recomputed log-probs and the
 servers' differ by kernel round-off only (a Megatron forward against SGLang's torch_native attention,
@@ -178,35 +178,3 @@ def test_the_trainer_launches_a_tp2_server_itself_and_leaves_nothing_running(tin
     _check_log_probs(scalars)
     text = logs[0].read_text(errors="replace")
     assert len(logs) == 1 and "'tp_size': 2" in text and "'device': 'cpu'" in text
-
-
-def test_the_trainer_launches_a_qwen3_moe_server_and_trains_against_it(tmp_path_factory, tmp_path):
-    """Qwen3-MoE (4 experts, top-2) serves on the CPU server: the actor (Megatron MoE layers from the same
-    checkpoint) trains 3 steps against it and recomputes the servers' log-probs to round-off. Top-2 routing
-    of fp32 scores that agree to ~1e-6 picks the same experts on both sides unless two scores tie that
-    closely, which these random weights do not produce."""
-    from tests.sglang_real.model import write_tiny_qwen3_moe
-
-    moe = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe") / "model"))
-    scalars, logs = _self_launched(tmp_path, *moe, *cpu_server_overrides(), "rollout.mode=disaggregate")
-    _check_log_probs(scalars)
-    assert "Qwen3MoeForCausalLM" in logs[0].read_text(errors="replace")
-
-
-def test_r3_replays_the_routing_the_real_server_chose(tmp_path_factory, tmp_path):
-    """actor.router_replay=r3 against the real server: the trainer launches it with
-    --enable-return-routed-experts, every request returns its routed experts (SGLang's own int32 base64),
-    and the actor replays them in the old_log_prob and update passes. The actor's own routers would choose
-    the same experts at every routed position of every row and layer (rollout_mismatch_frac 0: the
-    server's layer order, token positions and expert ids are read right), both MoE layers took the
-    replayed routing, and the log-probs still agree with the server's to round-off."""
-    from tests.sglang_real.model import write_tiny_qwen3_moe
-
-    moe = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe_r3") / "model"))
-    scalars, logs = _self_launched(tmp_path, *moe, *cpu_server_overrides(), "rollout.mode=disaggregate",
-                                   "actor.router_replay=r3")
-    _check_log_probs(scalars)
-    assert "'enable_return_routed_experts': True" in logs[0].read_text(errors="replace")
-    for name, want in (("router_replay/rows_with_routing", 1.0), ("router_replay/rollout_mismatch_frac", 0.0),
-                       ("router_replay/engaged_layers", 2.0)):
-        assert scalars[name] == dict.fromkeys(range(1, STEPS + 1), want), (name, scalars[name])
