@@ -47,9 +47,9 @@ def _launch(out: pathlib.Path, *overrides: str, fault: str | None = None, once: 
     """Run _fault_run.py to its end (or its SIGKILL), then end the processes it left behind. nproc > 1 runs
     it under torchrun (which ends the other ranks when one dies); fault_rank: only that rank crashes.
 
-    A SIGKILLed trainer orphans Megatron's checkpoint-writer multiprocessing Manager (and its resource
-    tracker), which never exit on their own; they are this test's processes, ended here by pid. The
-    output goes to a file, not a pipe: an orphan holding a pipe would block the read forever.
+    Whatever a SIGKILLed trainer leaves running (a checkpoint writer it forked, ranks torchrun has not ended
+    yet) is this test's, named in `orphans` and ended here by pid once 10 s have passed. The output goes to
+    a file, not a pipe: an orphan holding a pipe would block the read forever.
     """
     env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, faults.ONCE_ENV, faults.SIGNAL_ENV)}
     env["OMP_NUM_THREADS"] = "1"
