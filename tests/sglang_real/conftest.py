@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import socket
 import time
 
 import psutil
 import pytest
+
+from tests.standin import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SGLANG_VENV = ROOT / ".venv-sglang"
@@ -54,19 +55,9 @@ def cpu_server_overrides(*, tp: int = 1) -> list[str]:
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free on loopback (the trainer launches servers at consecutive ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65000:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
+    """A port p with p and p + 1 free on loopback (the trainer launches servers at consecutive ports), below
+    the ephemeral range (tests.standin.free_port says why)."""
+    return free_port(2)
 
 
 def model_overrides(model_dir: str, tokenizer_dir: str) -> list[str]:

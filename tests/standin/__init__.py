@@ -45,6 +45,7 @@ pause / continue and the colocation check. The stand-in stays for what that serv
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -69,10 +70,38 @@ LAUNCHER = (sys.executable, str(Path(__file__).with_name("server.py")))
 repository root is the same; the script form works from any directory)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 free on loopback, drawn at random below the kernel's ephemeral range.
+
+    Not a port the OS chose (bind to 0): those come from the ephemeral range, which every outgoing connection
+    draws its local port from too, and a server binds its port only after it started (a real SGLang server
+    ~40 s later on 2 cores): one test's port was taken by another's connection in between, and its server
+    failed with "address already in use". Below the range only an explicit bind can take it."""
+    high = _ephemeral_low() - count
+    rng = random.Random()  # seeded from the OS: each pytest-xdist worker draws its own ports
+    for _ in range(200):
+        port = rng.randrange(10000, high)
+        socks = []
+        try:
+            for p in range(port, port + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports below {high + count}")
 
 
 def tensor_checksum(t) -> dict[str, Any]:
