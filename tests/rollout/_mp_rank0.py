@@ -80,7 +80,20 @@ class Tok:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+def _arrive_together(out_dir: str, deadline_s: float = 300.0) -> None:
+    """Both ranks reach init_process_group at once: its 3 s timeout bounds the group's rendezvous too, which a
+    rank still importing on a loaded machine missed ("wait timeout after 3000ms" at init)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    open(os.path.join(out_dir, f"arrived.{rank}"), "w").close()
+    deadline = time.monotonic() + deadline_s
+    while not all(os.path.exists(os.path.join(out_dir, f"arrived.{r}")) for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start within {deadline_s} s")
+        time.sleep(0.05)
+
+
 def main(out_dir: str) -> None:
+    _arrive_together(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))  # the default group times out fast
     pgs = init_parallel()
     rank = pgs.rank
