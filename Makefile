@@ -39,13 +39,17 @@ train: install
 # used the most CPU with the processes they waited for (tests/conftest.py), are listed at the end, so growth
 # is seen when it happens. The two venvs build side by side (a fresh machine: 114 s instead
 # of 162 s one after the other). TEST_WORKERS pytest-xdist workers run the tests (2: on 2 cores the suite
-# takes 28 minutes instead of 36, many of its tests wait on servers and processes); the tests of the two
+# takes 28 minutes instead of 36, many of its tests wait on servers and processes; 3 took 19.9 minutes
+# against 17.8 for 2, their multi-process tests contending); the tests of the two
 # shared real servers run on one of them, so the servers start once (tests/conftest.py). TEST_WORKERS=0 runs in-process.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
+# The project's modules are compiled once first: with PYTHONDONTWRITEBYTECODE set, each of the suite's ~700
+# processes would compile every module it imports again (the pyc files are gitignored).
 test:
 	@$(MAKE) --no-print-directory -j2 install sglang-env
+	@$(BIN)/python -m compileall -q -j 2 megatron_dapo kernels tests benchmarks tools > /dev/null
 	MEGATRON_DAPO_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -q $(XDIST) \
 		-m "not slow and not gpu" --durations=15 $(ARGS)
 

@@ -8,8 +8,10 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import warnings
+from typing import NoReturn
 
 import torch
 
@@ -219,6 +221,27 @@ def freeze_startup_objects() -> None:
     # At exit they go back to the collector: frozen objects are never finalized, so extension modules
     # (nanobind, in Triton) would report them as leaked on every run's last line.
     atexit.register(gc.unfreeze)
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """End this process as the interpreter's own exit does, less the teardown after it: threading's exit
+    hooks and the join of every non-daemon thread (`threading._shutdown`, the interpreter's first step at
+    exit), then the atexit handlers (logging's flush, multiprocessing's joins of its children, W&B's finish,
+    gc.unfreeze), stdout and stderr flushed, and `os._exit(code)`. Skipped: the module teardown and the
+    garbage collections over every object the process holds, about 1 s of CPU per process holding torch
+    and Megatron-Core (docs/benchmarks.md), paid by every rank at every exit. What the run wrote is on
+    disk by then: `run` closes the logger, the reward workers and the engine before it returns.
+    An exception leaves the normal way (its traceback, exit code 1)."""
+    try:
+        threading._shutdown()
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed by the process itself
+                pass
+    os._exit(code or 0)
 
 
 def _exhausted_hint(cfg: Config) -> str:

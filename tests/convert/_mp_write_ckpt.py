@@ -76,4 +76,6 @@ if __name__ == "__main__":
     parser.add_argument("--case", choices=sorted(LAYOUTS), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    main(args.case, args.out)
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main(args.case, args.out))  # as python -m megatron_dapo.train ends

@@ -92,4 +92,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main())  # as python -m megatron_dapo.train ends

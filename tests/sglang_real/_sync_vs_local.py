@@ -68,4 +68,6 @@ def main(out: str, transport: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main(sys.argv[1], sys.argv[2], sys.argv[3:]))  # as python -m megatron_dapo.train ends

@@ -102,4 +102,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main(sys.argv[1:]))  # as python -m megatron_dapo.train ends

@@ -77,4 +77,6 @@ def main(out: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main(sys.argv[1], sys.argv[2:]))  # as python -m megatron_dapo.train ends

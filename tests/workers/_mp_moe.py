@@ -47,4 +47,6 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from megatron_dapo.trainer.run import exit_process
+
+    exit_process(main(sys.argv[1]))  # as python -m megatron_dapo.train ends
